@@ -1,0 +1,147 @@
+"""The ``cats`` command line: ``cats generate`` (and further subcommands as they land).
+
+User errors print one line, ``cats: error: ...``, and exit with status 2; no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from cats.errors import CatsError
+
+HUB_DEFAULT = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SHARED_DEFAULT = Path("shared") / "data" / "smollm2-135m-instruct-gguf"
+
+
+def default_model() -> str:
+    """SmolLM2-135M-Instruct: the copy in ``../shared/data`` (next to the project or the working directory)
+    when there is one, else its Hub id."""
+    project_root = Path(__file__).resolve().parents[2]
+    for base in (Path.cwd(), project_root):
+        candidate = base.parent / SHARED_DEFAULT
+        if candidate.is_dir():
+            return str(candidate)
+    return HUB_DEFAULT
+
+
+def positive_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help=f"HF folder, .gguf file or Hub id (default: {HUB_DEFAULT}, "
+                        "from ../shared/data when present)")
+    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16 or float64")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cats", description="CATS: lossless self-speculative decoding")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate text from a prompt, streamed to stdout")
+    add_model_arguments(gen)
+    gen.add_argument("--prompt", required=True, help="prompt text ('-' reads standard input)")
+    gen.add_argument("--chat", action="store_true", help="apply the chat template (prompt = one user message)")
+    gen.add_argument("--system", default=None, help="system message, with --chat")
+    gen.add_argument("--method", default="ar", help="ar (plain decoding), pld (prompt lookup), early-exit")
+    gen.add_argument("--draft-layer", type=positive_int, default=None, help="early-exit layer L_d (default: depth/8)")
+    gen.add_argument("--num-draft-tokens", "-k", type=positive_int, default=None,
+                     help="tokens drafted per step (default: pld 10, early-exit 4)")
+    gen.add_argument("--max-ngram", type=positive_int, default=3, help="longest n-gram prompt lookup matches")
+    gen.add_argument("--max-new-tokens", type=positive_int, default=128)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    gen.add_argument("--stats", action="store_true", help="print generation statistics to stderr")
+    gen.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, "
+                     "prompt_token_ids, stats) as the last stdout line")
+    gen.set_defaults(run=run_generate)
+
+    try:
+        from cats.bench.cli import add_bench_parser
+    except ImportError:
+        pass
+    else:
+        add_bench_parser(commands)
+    return parser
+
+
+def quiet_transformers() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+class TextStreamer:
+    """Prints decoded text as tokens arrive, holding back an incomplete multi-byte character."""
+
+    def __init__(self, tokenizer, out=sys.stdout):
+        self.tokenizer, self.out, self.ids, self.printed = tokenizer, out, [], 0
+
+    def __call__(self, tokens: list[int]) -> None:
+        self.ids.extend(tokens)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        stable = len(text.rstrip("\ufffd"))
+        if stable > self.printed:
+            self.out.write(text[self.printed : stable])
+            self.out.flush()
+            self.printed = stable
+
+    def finish(self) -> None:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        self.out.write(text[self.printed :] + "\n")
+        self.out.flush()
+
+
+def run_generate(args) -> int:
+    import cats
+    from cats.draft import check_method, make_drafter
+    from cats.generate import GenerationConfig, Generator, encode_prompt
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    config.validate()  # fail on bad arguments before the model loads
+    check_method(args.method)
+    model = cats.load(args.model or default_model(), dtype=args.dtype)
+    drafter = make_drafter(args.method, model, num_draft_tokens=args.num_draft_tokens,
+                           draft_layer=args.draft_layer, max_ngram=args.max_ngram)
+    prompt_ids = encode_prompt(model, prompt, chat=args.chat, system=args.system)
+    streamer = TextStreamer(model.tokenizer) if model.tokenizer is not None else None
+    result = Generator(model, drafter, method=args.method).generate(prompt_ids, config, on_tokens=streamer)
+    if streamer is not None:
+        streamer.finish()
+    if args.stats:
+        print(result.stats.summary_line(), file=sys.stderr)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+    quiet_transformers()
+    try:
+        return args.run(args)
+    except CatsError as error:
+        print(f"cats: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("cats: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""THE decode loop: draft -> verify -> accept -> roll back, one readable step at a time.
+
+The loop does not know which drafter it runs: a drafter returns a `Proposal`, the target scores it in one
+forward, an acceptance rule returns a `Verdict`, and the cache is cut back to the committed tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from cats.draft import DecodeState, Drafter, Proposal, make_drafter
+from cats.errors import InvalidArgumentError, PromptTooLongError
+from cats.model import LayeredModel
+from cats.stats import GenerationStats
+from cats.verify import GreedyAcceptance, score_proposal
+
+
+@dataclass
+class GenerationConfig:
+    """Generation settings (the `generate`-like keywords)."""
+
+    max_new_tokens: int = 128
+    stop: Sequence[str] = ()  # stop strings: generation ends after the token that completes one (kept in output)
+    eos_token_ids: set[int] | None = None  # None: the model's own end-of-sequence ids
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise InvalidArgumentError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        if any(not s for s in self.stop):
+            raise InvalidArgumentError("stop strings must not be empty")
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # new tokens, including a final EOS if one was generated (as transformers returns them)
+    prompt_token_ids: list[int]
+    text: str
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "prompt_token_ids": self.prompt_token_ids,
+                "stats": self.stats.to_dict()}
+
+
+class Generator:
+    """Decodes one sequence at a time with an optional drafter (``None``: plain autoregressive decoding)."""
+
+    def __init__(self, model: LayeredModel, drafter: Drafter | None = None, acceptance=None, method: str | None = None):
+        self.model = model
+        self.drafter = drafter
+        self.acceptance = acceptance or GreedyAcceptance()
+        self.method = method or (drafter.name if drafter else "ar")
+
+    @torch.inference_mode()
+    def stream(self, prompt_ids: Sequence[int], config: GenerationConfig, stats: GenerationStats) -> Iterator[list[int]]:
+        """Yield the new tokens as they are committed, a chunk per target forward; fill ``stats``."""
+        config.validate()
+        model, prompt_ids = self.model, [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise InvalidArgumentError("the prompt is empty")
+        if len(prompt_ids) >= model.context_length:
+            raise PromptTooLongError(
+                f"prompt has {len(prompt_ids)} tokens but the model's context window is {model.context_length}; "
+                "shorten the prompt"
+            )
+        eos = set() if config.ignore_eos else (config.eos_token_ids if config.eos_token_ids is not None else model.eos_token_ids)
+        stop_check = _StopStrings(model.tokenizer, config.stop) if config.stop else None
+        stats.method, stats.acceptance, stats.prompt_tokens = self.method, self.acceptance.name, len(prompt_ids)
+        start = time.perf_counter()
+
+        # 1. prefill: the whole prompt in one forward; its last row gives the first new token (pending, uncached)
+        state = DecodeState(model, model.new_cache(), list(prompt_ids), len(prompt_ids))
+        logits = model.forward(torch.tensor(prompt_ids), state.cache)
+        first = int(logits[-1].argmax())
+        state.token_ids.append(first)
+        stats.target_forwards, stats.prefill_s = 1, time.perf_counter() - start
+        chunk, reason = self._commit([first], stats, eos, config, stop_check)
+        yield chunk
+
+        while not reason:
+            committed = state.committed_length
+            if committed >= model.context_length:
+                reason = "context_length"
+                break
+            budget = min(config.max_new_tokens - stats.new_tokens, model.context_length - committed) - 1
+            # 2. draft up to `budget` tokens after the pending token x
+            tick = time.perf_counter()
+            proposal = self.drafter.propose(state, budget) if self.drafter and budget > 0 else Proposal.empty()
+            tock = time.perf_counter()
+            # 3. verify [x, d_1..d_k] with the full target in one forward; 4. accept
+            verdict = self.acceptance.accept(proposal, score_proposal(state, proposal))
+            # 5. roll back: keep x and the accepted drafts in every layer; the new token is pending
+            state.cache.crop(committed + 1 + verdict.num_accepted)
+            new_tokens = proposal.tokens[: verdict.num_accepted].tolist() + [verdict.next_token]
+            state.token_ids.extend(new_tokens)
+            if self.drafter:
+                self.drafter.observe(proposal, verdict.num_accepted)
+            stats.draft_s += tock - tick
+            stats.verify_s += time.perf_counter() - tock
+            stats.target_forwards += 1
+            stats.drafted_tokens += proposal.num_tokens
+            stats.accepted_draft_tokens += verdict.num_accepted
+            chunk, reason = self._commit(new_tokens, stats, eos, config, stop_check)
+            stats.accept_lengths.append(len(chunk))
+            yield chunk
+        stats.stop_reason = reason
+        stats.wall_s = time.perf_counter() - start
+
+    def _commit(self, tokens, stats, eos, config, stop_check) -> tuple[list[int], str]:
+        """Cut a chunk at EOS, the token limit or a stop string; return it and the stop reason ('' = go on)."""
+        reason = ""
+        for i, token in enumerate(tokens):
+            if token in eos:
+                tokens, reason = tokens[: i + 1], "eos"
+                break
+            if stats.new_tokens + i + 1 >= config.max_new_tokens:
+                tokens, reason = tokens[: i + 1], "max_new_tokens"
+                break
+        if stop_check is not None:
+            cut = stop_check.find(tokens)
+            if cut is not None:
+                tokens, reason = tokens[:cut], "stop_string"
+        stats.new_tokens += len(tokens)
+        return tokens, reason
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        config: GenerationConfig | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> GenerationResult:
+        config = config or GenerationConfig()
+        stats, new_tokens = GenerationStats(), []
+        for chunk in self.stream(prompt_ids, config, stats):
+            new_tokens.extend(chunk)
+            if on_tokens is not None and chunk:
+                on_tokens(chunk)
+        tokenizer = self.model.tokenizer
+        text = tokenizer.decode(new_tokens, skip_special_tokens=True) if tokenizer is not None else ""
+        return GenerationResult(new_tokens, [int(t) for t in prompt_ids], text, stats)
+
+
+class _StopStrings:
+    """Finds the first token at which the decoded output contains a stop string."""
+
+    def __init__(self, tokenizer, stops: Sequence[str]):
+        if tokenizer is None:
+            raise InvalidArgumentError("stop strings need a model with a tokenizer")
+        self.tokenizer, self.stops, self.generated = tokenizer, list(stops), []
+
+    def find(self, tokens: list[int]) -> int | None:
+        """Append ``tokens``; return how many of them to keep if a stop string completed, else None."""
+        base = len(self.generated)
+        self.generated.extend(tokens)
+        for i in range(len(tokens)):
+            text = self.tokenizer.decode(self.generated[: base + i + 1])
+            if any(stop in text for stop in self.stops):
+                return i + 1
+        return None
+
+
+def encode_prompt(model: LayeredModel, prompt: str | Sequence[int], chat: bool = False, system: str | None = None) -> list[int]:
+    """Token ids of a prompt: ids pass through; text is tokenized, as one user message with ``chat=True``."""
+    if not isinstance(prompt, str):
+        return [int(t) for t in prompt]
+    tokenizer = model.tokenizer
+    if tokenizer is None:
+        raise InvalidArgumentError(f"model {model.name!r} has no tokenizer: pass token ids instead of text")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidArgumentError(f"model {model.name!r} has no chat template; drop --chat")
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        return [int(t) for t in tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)]
+    return [int(t) for t in tokenizer(prompt)["input_ids"]]
+
+
+def generate(
+    model: LayeredModel | str,
+    prompt: str | Sequence[int],
+    *,
+    method: str = "ar",
+    drafter: Drafter | None = None,
+    max_new_tokens: int = 128,
+    num_draft_tokens: int | None = None,
+    draft_layer: int | None = None,
+    max_ngram: int = 3,
+    chat: bool = False,
+    stop: Sequence[str] = (),
+    eos_token_ids: set[int] | None = None,
+    ignore_eos: bool = False,
+    on_tokens: Callable[[list[int]], None] | None = None,
+    dtype: str = "float32",
+) -> GenerationResult:
+    """Generate from ``prompt`` with ``method`` (``ar``, ``pld``, ``early-exit``) or a ready ``drafter``.
+
+    ``model`` is a `LayeredModel` or anything `cats.load` accepts (then loaded with ``dtype``)."""
+    if isinstance(model, str):
+        from cats.model import load_model
+
+        model = load_model(model, dtype=dtype)
+    if drafter is None:
+        drafter = make_drafter(method, model, num_draft_tokens=num_draft_tokens, draft_layer=draft_layer, max_ngram=max_ngram)
+    else:
+        method = drafter.name
+    config = GenerationConfig(max_new_tokens=max_new_tokens, stop=stop, eos_token_ids=eos_token_ids, ignore_eos=ignore_eos)
+    prompt_ids = encode_prompt(model, prompt, chat=chat)
+    return Generator(model, drafter, method=method).generate(prompt_ids, config, on_tokens=on_tokens)

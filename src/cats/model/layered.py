@@ -1,0 +1,234 @@
+"""A Hugging Face decoder driven layer range by layer range over one shared KV cache.
+
+The math is the model's own: its embedding, decoder layers (attention included), rotary embedding, final norm
+and lm_head modules. This module only decides which layers run on which tokens, at which positions, with which
+cache slots visible (the attention mask).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from cats.errors import UnsupportedArchitectureError
+from cats.model.cache import KVCache
+
+# model_type -> family name shown to users. All of them keep their decoder in `model.model.layers`, the rotary
+# embedding in `model.model.rotary_emb`, the final norm in `model.model.norm` and the head in `model.lm_head`.
+SUPPORTED_MODEL_TYPES = {
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "gemma3_text": "Gemma3 (text)",
+    "phi3": "Phi3",
+}
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+
+def check_supported(config) -> None:
+    """Raise `UnsupportedArchitectureError` unless CATS can drive this config's architecture."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        hint = ""
+        if model_type == "gemma3":
+            hint = " (for Gemma3 use a text-only checkpoint, model_type 'gemma3_text')"
+        raise UnsupportedArchitectureError(
+            f"unsupported architecture {model_type!r}{hint}; CATS supports "
+            + ", ".join(f"{name} ({key})" for key, name in SUPPORTED_MODEL_TYPES.items())
+        )
+
+
+def layer_types_of(config) -> list[str]:
+    """Attention kind of every decoder layer: full, or sliding window of ``config.sliding_window`` tokens."""
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [SLIDING if t == SLIDING else FULL for t in types[:n]]
+    # Mistral and Phi3 use one sliding window for every layer when `sliding_window` is set.
+    if getattr(config, "sliding_window", None) and config.model_type in ("mistral", "phi3"):
+        return [SLIDING] * n
+    return [FULL] * n
+
+
+@dataclass
+class LayeredModel:
+    """A loaded target model that runs any layer range ``[start, end)`` on hidden states.
+
+    Attributes:
+        hf_model: the transformers ``*ForCausalLM`` module (weights live here, loaded once).
+        tokenizer: its tokenizer, with the chat template.
+        name: where the model came from (path or Hub id), for reports.
+    """
+
+    hf_model: torch.nn.Module
+    tokenizer: object = None
+    name: str = ""
+
+    def __post_init__(self):
+        check_supported(self.hf_model.config)
+        self.hf_model.eval()
+        self.config = self.hf_model.config
+        self.decoder = self.hf_model.model
+        self.layers = self.decoder.layers
+        self.num_layers = self.config.num_hidden_layers
+        self.layer_types = layer_types_of(self.config)
+        self.sliding_window = getattr(self.config, "sliding_window", None)
+        rotary_params = inspect.signature(self.decoder.rotary_emb.forward).parameters
+        self._rotary_per_layer_type = "layer_type" in rotary_params
+        self.softcap = getattr(self.config, "final_logit_softcapping", None)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(cls, model: str, **kwargs) -> "LayeredModel":
+        """Load from a local HF folder, a ``.gguf`` file (or a folder holding one) or a Hub id.
+        See `cats.model.load.load_model` for the keyword arguments."""
+        from cats.model.load import load_model
+
+        return load_model(model, **kwargs)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.decoder.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.decoder.embed_tokens.weight.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_model.lm_head.out_features
+
+    @property
+    def context_length(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 0) or 0) or 1 << 30
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """End-of-sequence ids from the generation config (which may list several) and the tokenizer."""
+        ids: set[int] = set()
+        for source in (getattr(self.hf_model, "generation_config", None), self.config):
+            eos = getattr(source, "eos_token_id", None) if source is not None else None
+            if eos is not None:
+                ids.update([eos] if isinstance(eos, int) else eos)
+                break
+        if not ids and self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.num_layers)
+
+    # ------------------------------------------------------------------ forward pieces
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[T]`` or ``[1, T]`` -> hidden states ``[1, T, H]`` (input of layer 0)."""
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        return self.decoder.embed_tokens(input_ids.to(self.device))
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head (+ the final logit soft-cap some families use): ``[..., H] -> [..., V]``."""
+        logits = self.hf_model.lm_head(self.decoder.norm(hidden))
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def forward_layers(
+        self,
+        hidden: torch.Tensor,
+        start: int,
+        end: int,
+        cache: KVCache,
+        position_ids: torch.Tensor | None = None,
+        attend: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run decoder layers ``[start, end)`` on ``hidden`` (``[1, T, H]``, the output of layer ``start - 1``).
+
+        Every layer in the range must hold the same number of cache slots ``P``; the T new tokens are appended
+        as slots ``P .. P+T-1`` of each of them.
+
+        Args:
+            position_ids: ``[T]`` position of each new token; default ``P + arange(T)`` (a chain).
+            attend: optional ``[T, P + T]`` bool matrix, True where new token ``t`` may see slot ``s`` (a tree
+                mask). Default: causal in slot order. Sliding-window layers additionally hide slots whose
+                position is ``sliding_window`` or more behind the query's.
+        Returns:
+            hidden states after layer ``end - 1``, ``[1, T, H]``.
+        """
+        if not 0 <= start <= end <= self.num_layers:
+            raise ValueError(f"layer range [{start}, {end}) outside [0, {self.num_layers}]")
+        if start == end:
+            return hidden
+        past = cache.length(start)
+        lengths = {cache.length(i) for i in range(start, end)}
+        if len(lengths) != 1:
+            raise RuntimeError(f"layers [{start}, {end}) hold different cache lengths {sorted(lengths)}")
+        num_new = hidden.shape[1]
+        if position_ids is None:
+            position_ids = torch.arange(past, past + num_new)
+        position_ids = position_ids.to(torch.long).cpu()
+        masks = self._masks(cache.positions(start), position_ids, attend, self.layer_types[start:end])
+        device_positions = position_ids.to(self.device).unsqueeze(0)
+        rotary = {}
+        for kind in set(self.layer_types[start:end]):
+            if self._rotary_per_layer_type:
+                rotary[kind] = self.decoder.rotary_emb(hidden, device_positions, kind)
+            else:
+                rotary.setdefault(FULL, self.decoder.rotary_emb(hidden, device_positions))
+                rotary[kind] = rotary[FULL]
+        for i in range(start, end):
+            kind = self.layer_types[i]
+            out = self.layers[i](
+                hidden,
+                attention_mask=masks[kind],
+                position_embeddings=rotary[kind],
+                position_ids=device_positions,
+                cache=cache.hf_cache,
+                use_cache=True,
+            )
+            hidden = out[0] if isinstance(out, tuple) else out
+        cache.record(start, end, position_ids)
+        return hidden
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        position_ids: torch.Tensor | None = None,
+        attend: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """All layers plus the head: token ids ``[T]`` -> logits ``[T, V]``."""
+        hidden = self.forward_layers(self.embed(input_ids), 0, self.num_layers, cache, position_ids, attend)
+        return self.head(hidden)[0]
+
+    # ------------------------------------------------------------------ masks
+    def _masks(self, past_positions, query_positions, attend, kinds) -> dict[str, torch.Tensor | None]:
+        """Additive float masks ``[1, 1, T, P+T]`` (0 = attend, finfo.min = hidden) per attention kind, or None
+        where every slot is visible to a single query (SDPA and eager both need no mask then).
+
+        Float, not bool: eager attention adds the mask to the scores, so a bool mask would be silently wrong."""
+        num_past, num_new = past_positions.numel(), query_positions.numel()
+        if attend is None:
+            allowed = torch.ones(num_new, num_past + num_new, dtype=torch.bool).tril(num_past)
+        else:
+            if attend.shape != (num_new, num_past + num_new):
+                raise ValueError(f"attend must be [{num_new}, {num_past + num_new}], got {list(attend.shape)}")
+            allowed = attend.to(torch.bool).cpu()
+        masks: dict[str, torch.Tensor | None] = {}
+        for kind in set(kinds):
+            visible = allowed
+            if kind == SLIDING and self.sliding_window:
+                kv_positions = torch.cat([past_positions, query_positions])
+                visible = visible & (query_positions[:, None] - kv_positions[None, :] < self.sliding_window)
+            if num_new == 1 and bool(visible.all()):
+                masks[kind] = None
+            else:
+                mask = torch.zeros(visible.shape, dtype=self.dtype)
+                mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+                masks[kind] = mask[None, None].to(self.device)
+        return masks

@@ -1,0 +1,58 @@
+"""Counters of one generation. Every number a user sees is derived here from raw counts."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    method: str = "ar"
+    acceptance: str = "greedy"
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0  # prefill + one per decode step
+    drafted_tokens: int = 0  # tokens proposed by the drafter, summed over steps
+    accepted_draft_tokens: int = 0  # drafted tokens the target kept
+    accept_lengths: list[int] = field(default_factory=list)  # tokens committed per decode step (accepted + 1)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    wall_s: float = 0.0
+    stop_reason: str = ""
+
+    @property
+    def decode_steps(self) -> int:
+        return len(self.accept_lengths)
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean tokens committed per decode step (the field's "mean accepted tokens", tau); 1.0 for plain decoding."""
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Fraction of drafted tokens the target kept."""
+        return self.accepted_draft_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data.update(
+            decode_steps=self.decode_steps,
+            mean_accepted=round(self.mean_accepted, 4),
+            acceptance_rate=round(self.acceptance_rate, 4),
+            tokens_per_s=round(self.tokens_per_s, 3),
+        )
+        return data
+
+    def summary_line(self) -> str:
+        return (
+            f"[{self.method}, acceptance: {self.acceptance}] {self.new_tokens} tokens in {self.wall_s:.2f} s "
+            f"({self.tokens_per_s:.1f} tok/s), {self.target_forwards} target forwards, "
+            f"mean accepted {self.mean_accepted:.2f}, draft acceptance {self.acceptance_rate:.1%} "
+            f"({self.accepted_draft_tokens}/{self.drafted_tokens}), stop: {self.stop_reason}"
+        )
