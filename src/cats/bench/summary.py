@@ -1,0 +1,164 @@
+"""From answers to numbers: tokens/s, Spec-Bench speedup, mean accepted tokens, exact match.
+
+Everything here works on answer records (`cats.bench.answers`), so a test can check it on a hand-written case.
+A question whose answer has an ``error`` counts as a failure and is left out of the speed figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+BASELINE_CANDIDATES = ("ar", "hf-ar")  # speedups are relative to the faster of these that ran
+REFERENCE_CANDIDATES = ("ar", "hf-ar")  # exact_match compares tokens with the first of these that ran
+
+
+def choice(answer: dict) -> dict:
+    return answer["choices"][0]
+
+
+def ok(answers: Iterable[dict]) -> list[dict]:
+    return [a for a in answers if not a.get("error")]
+
+
+def question_speed(answer: dict) -> float:
+    """Tokens per second of one question, all turns together: ``sum(new_tokens) / sum(wall_time)``."""
+    time_s = sum(choice(answer)["wall_time"])
+    return sum(choice(answer)["new_tokens"]) / time_s if time_s > 0 else 0.0
+
+
+def mean_speed(answers: Sequence[dict]) -> float | None:
+    """Spec-Bench's "tokens per second": the mean over questions of each question's tokens/s."""
+    return float(np.mean([question_speed(a) for a in answers])) if answers else None
+
+
+def aggregate_speed(answers: Sequence[dict]) -> float | None:
+    """Total new tokens / total wall time."""
+    time_s = sum(sum(choice(a)["wall_time"]) for a in answers)
+    return sum(sum(choice(a)["new_tokens"]) for a in answers) / time_s if answers and time_s > 0 else None
+
+
+def speedup(method_answers: Sequence[dict], baseline_answers: Sequence[dict]) -> tuple[float | None, float | None]:
+    """``(speedup, aggregate speedup)`` of a method over the baseline, on the questions both answered.
+
+    ``speedup`` is computed as Spec-Bench's ``evaluation/speed.py`` does::
+
+        speedup = mean_q(tokens_q / time_q  of the method) / mean_q(tokens_q / time_q  of the baseline)
+
+    where ``tokens_q = sum(new_tokens)`` and ``time_q = sum(wall_time)`` over the question's turns: the ratio of the
+    two mean per-question speeds (not the mean of per-question ratios). Two deliberate differences from speed.py:
+    the baseline's tokens are its recorded ``new_tokens`` (speed.py re-tokenizes the baseline's text and subtracts
+    one for BOS, an approximation of the same count), and failed questions of either side are left out of both.
+
+    ``aggregate speedup`` = (total tokens / total time of the method) / (the same for the baseline).
+    """
+    base_ids = {a["question_id"] for a in ok(baseline_answers)}
+    method_ids = {a["question_id"] for a in ok(method_answers)}
+    common = base_ids & method_ids
+    mine = [a for a in method_answers if a["question_id"] in common]
+    base = [a for a in baseline_answers if a["question_id"] in common]
+    if not common:
+        return None, None
+    ratio = _ratio(mean_speed(mine), mean_speed(base))
+    aggregate = _ratio(aggregate_speed(mine), aggregate_speed(base))
+    return ratio, aggregate
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def mean_accepted(answers: Sequence[dict]) -> float | None:
+    """Mean tokens committed per target forward after the first, pooled over all steps of all questions
+    (``np.mean`` of the concatenated ``accept_lengths``, as speed.py); None when no question took a decode step."""
+    lengths = [n for a in answers for n in choice(a)["accept_lengths"]]
+    return float(np.mean(lengths)) if lengths else None
+
+
+def answer_tokens(answer: dict) -> list:
+    """What equality compares: the token ids of every turn, or the text turns for files without token ids."""
+    c = choice(answer)
+    return c["token_ids"] if "token_ids" in c else c["turns"]
+
+
+def exact_match(method_answers: Sequence[dict], reference_answers: Sequence[dict]) -> float | None:
+    """Fraction of the questions the reference answered whose answer by the method has exactly the reference's
+    tokens (a failed question counts as a mismatch)."""
+    reference = {a["question_id"]: answer_tokens(a) for a in ok(reference_answers)}
+    if not reference:
+        return None
+    mine = {a["question_id"]: answer_tokens(a) for a in ok(method_answers)}
+    return sum(mine.get(qid) == tokens for qid, tokens in reference.items()) / len(reference)
+
+
+def categories(answers: dict[str, list[dict]]) -> list[str]:
+    """Categories in order of first appearance."""
+    seen: dict[str, None] = {}
+    for method_answers in answers.values():
+        for answer in method_answers:
+            seen.setdefault(answer["category"], None)
+    return list(seen)
+
+
+def pick_baseline(answers: dict[str, list[dict]]) -> str | None:
+    """The faster (by Spec-Bench's mean tokens/s) of ``ar`` and ``hf-ar`` among the methods that answered."""
+    speeds = {name: mean_speed(ok(answers[name])) for name in BASELINE_CANDIDATES if ok(answers.get(name, []))}
+    return max(speeds, key=speeds.get) if speeds else None
+
+
+def pick_reference(answers: dict[str, list[dict]]) -> str | None:
+    return next((name for name in REFERENCE_CANDIDATES if ok(answers.get(name, []))), None)
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return round(value, digits) if value is not None else None
+
+
+def summarize(
+    answers: dict[str, list[dict]],
+    run: dict,
+    peak_rss_mb: dict[str, float | None] | None = None,
+    settings: dict[str, dict] | None = None,
+    skipped: dict[str, str] | None = None,
+) -> dict:
+    """The ``summary.json`` object.
+
+    ``run`` holds the run's settings (``model``, ``dtype``, ``threads``, ``questions``, ``max_new_tokens`` and any
+    others to record); ``answers`` maps each method that ran to its answers (same questions, same order)."""
+    baseline, reference = pick_baseline(answers), pick_reference(answers)
+    summary = dict(run)
+    summary.update(acceptance="greedy", baseline=baseline, exact_match_reference=reference,
+                   skipped=dict(skipped or {}), methods={})
+    for name, method_answers in answers.items():
+        good = ok(method_answers)
+        ratio, aggregate = speedup(method_answers, answers[baseline]) if baseline else (None, None)
+        entry = {
+            "tokens_per_s": _round(mean_speed(good), 3),
+            "tokens_per_s_aggregate": _round(aggregate_speed(good), 3),
+            "speedup": _round(ratio, 4),
+            "speedup_aggregate": _round(aggregate, 4),
+            "mean_accepted": _round(mean_accepted(good), 4),
+            "new_tokens": sum(sum(choice(a)["new_tokens"]) for a in good),
+            "wall_s": round(sum(sum(choice(a)["wall_time"]) for a in good), 4),
+            "peak_rss_mb": (peak_rss_mb or {}).get(name),
+            "exact_match": _round(exact_match(method_answers, answers[reference]), 4) if reference else None,
+            "failures": len(method_answers) - len(good),
+            "errors": {str(a["question_id"]): a["error"] for a in method_answers if a.get("error")},
+            "settings": (settings or {}).get(name, {}),
+            "per_category": {},
+        }
+        for category in categories(answers):
+            in_category = [a for a in method_answers if a["category"] == category]
+            if not in_category:
+                continue
+            cat_ratio, cat_aggregate = (speedup(in_category, [a for a in answers[baseline] if a["category"] == category])
+                                        if baseline else (None, None))
+            entry["per_category"][category] = {
+                "speedup": _round(cat_ratio, 4),
+                "speedup_aggregate": _round(cat_aggregate, 4),
+                "tokens_per_s": _round(mean_speed(ok(in_category)), 3),
+                "mean_accepted": _round(mean_accepted(ok(in_category)), 4),
+            }
+        summary["methods"][name] = entry
+    return summary
