@@ -1,0 +1,97 @@
+"""The ``cats bench`` subcommand: ``cats bench --model M --questions FILE --methods LIST --out DIR`` runs a
+benchmark; ``cats bench equal A.jsonl B.jsonl`` compares two answer files (exit 0 equal, 1 not)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from cats.errors import InvalidArgumentError
+
+DEFAULT_METHODS = "ar,hf-ar,hf-pld,hf-early-exit,pld,early-exit"
+
+
+def add_bench_parser(subparsers) -> None:
+    from cats.bench.methods import known_methods
+    from cats.bench.prompts import PROMPT_FORMATS
+    from cats.bench.runner import TURN_MODES
+    from cats.cli import add_model_arguments, positive_int
+
+    bench = subparsers.add_parser(
+        "bench", help="benchmark methods and baselines on Spec-Bench / MT-Bench questions",
+        description="Run every method on the same questions in one process (after a warm-up, methods interleaved "
+                    "per question) and write DIR/<method>.jsonl (Spec-Bench answer format), summary.json, report.md "
+                    "and PNG plots. 'cats bench equal A.jsonl B.jsonl' compares two answer files.",
+    )
+    add_model_arguments(bench)
+    bench.add_argument("--questions", type=Path, help="question file (.jsonl with question_id, category, turns)")
+    bench.add_argument("--out", type=Path, help="output folder")
+    bench.add_argument("--methods", default=DEFAULT_METHODS,
+                       help=f"comma-separated methods (default: {DEFAULT_METHODS}); known: {', '.join(known_methods())}")
+    bench.add_argument("--limit", type=positive_int, default=None, help="only the first N selected questions")
+    bench.add_argument("--per-category", type=positive_int, default=None,
+                       help="only the first N questions of each category (a stratified subset)")
+    bench.add_argument("--turns", choices=TURN_MODES, default="first", help="first turn only (default) or all turns")
+    bench.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="chat",
+                       help="chat: apply the chat template (default); raw: plain text, for models without one")
+    bench.add_argument("--max-new-tokens", type=positive_int, default=256)
+    bench.add_argument("--temperature", type=float, default=0.0,
+                       help="only 0 (greedy) is implemented so far; other values are rejected")
+    bench.add_argument("--warmup", type=positive_int, default=1, help="warm-up runs per method (default 1)")
+    bench.add_argument("--num-draft-tokens", "-k", type=positive_int, default=None,
+                       help="tokens drafted per step, for pld/early-exit and their baselines (default: pld 10, "
+                            "early-exit 4)")
+    bench.add_argument("--draft-layer", type=positive_int, default=None,
+                       help="early-exit layer, for early-exit and hf-early-exit (default: depth/8)")
+    bench.add_argument("--max-ngram", type=positive_int, default=3,
+                       help="longest n-gram prompt lookup matches, for pld and its baselines")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.set_defaults(run=run_bench_command)
+
+    actions = bench.add_subparsers(dest="bench_action", metavar="equal")
+    equal = actions.add_parser("equal", help="are two answer files token-for-token equal? (exit 0 yes, 1 no)")
+    equal.add_argument("first", type=Path)
+    equal.add_argument("second", type=Path)
+    equal.set_defaults(run=run_equal_command)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    from cats.bench.methods import MethodSettings, parse_methods
+    from cats.bench.runner import BenchConfig, run_bench
+    from cats.cli import default_model
+
+    if args.temperature != 0:
+        raise InvalidArgumentError(f"--temperature {args.temperature:g} is not implemented yet: cats bench runs "
+                                   "greedy decoding only (--temperature 0)")
+    for flag, value in (("--questions", args.questions), ("--out", args.out)):
+        if value is None:
+            raise InvalidArgumentError(f"cats bench needs {flag}")
+    config = BenchConfig(
+        model=args.model or default_model(), questions=args.questions, out=args.out,
+        methods=parse_methods(args.methods), max_new_tokens=args.max_new_tokens, dtype=args.dtype,
+        threads=args.threads, turns=args.turns, prompt_format=args.prompt_format, limit=args.limit,
+        per_category=args.per_category, warmup=args.warmup,
+        settings=MethodSettings(num_draft_tokens=args.num_draft_tokens, draft_layer=args.draft_layer,
+                                max_ngram=args.max_ngram),
+        progress=not args.no_progress,
+    )
+    summary = run_bench(config)
+    for name, method in summary["methods"].items():
+        speedup = f"{method['speedup']:.2f}x" if method["speedup"] is not None else "–"
+        tokens_per_s = f"{method['tokens_per_s']:.1f}" if method["tokens_per_s"] is not None else "–"
+        print(f"{name:>16}: {tokens_per_s} tok/s, speedup {speedup}, failures {method['failures']}")
+    for name, reason in summary["skipped"].items():
+        print(f"{name:>16}: skipped ({reason})")
+    print(f"wrote {args.out}/summary.json and report.md")
+    return 0
+
+
+def run_equal_command(args: argparse.Namespace) -> int:
+    from cats.bench.equal import compare_answers
+
+    comparison = compare_answers(str(args.first), str(args.second))
+    if comparison.equal:
+        print(f"equal: {comparison.questions} questions, token for token")
+        return 0
+    print(f"not equal: {comparison.difference}")
+    return 1

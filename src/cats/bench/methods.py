@@ -1,0 +1,295 @@
+"""The method registry: every decoding method ``cats bench`` can run, CATS's own and the baselines.
+
+A method turns prompt token ids into new token ids (greedy, stopping at an end-of-sequence token, which is kept,
+or at ``max_new_tokens``) and reports how many tokens each target forward committed. The runner times it.
+
+* CATS methods (every name in `cats.draft.METHODS`: ``ar``, ``pld``, ``early-exit``, and each new one as it lands):
+  `cats.generate.Generator` with the drafter from `cats.draft.make_drafter`.
+* ``hf-ar``, ``hf-pld``, ``hf-early-exit``: transformers ``generate`` on the same weights (``model.hf_model``).
+* ``llama-cpp``, ``llama-cpp-pld``: llama-cpp-python (optional extra ``[baselines]``) on the GGUF file the model
+  came from. llama.cpp computes with the quantised weights as stored (e.g. Q4_1 blocks), while CATS and
+  transformers run the weights dequantised to float (``--dtype``), so its tokens may differ from theirs.
+
+``accept_lengths`` follows `cats.stats.GenerationStats`: tokens committed by each target forward *after* the first
+one (the first forward reads the prompt); plain decoding gives all ones.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from cats.draft import METHODS as CATS_METHODS
+from cats.draft import default_draft_layer, make_drafter
+from cats.errors import CatsError, InvalidArgumentError, UnknownMethodError
+from cats.generate import GenerationConfig, Generator
+from cats.model import LayeredModel
+
+HF_METHODS = ("hf-ar", "hf-pld", "hf-early-exit")
+LLAMA_CPP_METHODS = ("llama-cpp", "llama-cpp-pld")
+DEFAULT_PLD_TOKENS = 10  # the defaults of `cats.draft.make_drafter`, used for the baselines' equivalents too
+DEFAULT_EARLY_EXIT_TOKENS = 4
+LLAMA_CPP_MAX_CONTEXT = 4096  # llama.cpp preallocates its KV cache for n_ctx tokens; Spec-Bench prompts fit easily
+LLAMA_CPP_WEIGHTS_NOTE = (
+    "llama.cpp runs the GGUF's quantised weights directly (e.g. Q4_1 blocks, with activations quantised for the dot "
+    "products), while CATS and the transformers baselines run the same weights dequantised to float ({dtype}); "
+    "its tokens can therefore differ, and its speed reflects 4-bit weight traffic."
+)
+
+
+def known_methods() -> tuple[str, ...]:
+    return tuple(CATS_METHODS) + HF_METHODS + LLAMA_CPP_METHODS
+
+
+class MethodUnavailableError(CatsError):
+    """A known method that cannot run here (an optional package is missing, or the model is not a GGUF file).
+    The runner skips it and the summary and report say why."""
+
+
+def parse_methods(text: str) -> list[str]:
+    """``"ar,pld"`` -> ``["ar", "pld"]``; unknown or repeated names are errors listing the known ones."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise InvalidArgumentError("--methods is empty; known methods: " + ", ".join(known_methods()))
+    known = known_methods()
+    for name in names:
+        if name not in known:
+            raise UnknownMethodError(f"unknown method {name!r}; known methods: {', '.join(known)}")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise InvalidArgumentError(f"--methods names {', '.join(repeated)} more than once")
+    return names
+
+
+@dataclass
+class TurnResult:
+    token_ids: list[int]  # new tokens, including a final end-of-sequence token if one was generated
+    accept_lengths: list[int]  # tokens committed per target forward after the first
+    target_forwards: int
+
+
+@dataclass
+class MethodSettings:
+    """Drafting settings shared by each CATS method and its baseline equivalents (None: the method's default)."""
+
+    num_draft_tokens: int | None = None
+    draft_layer: int | None = None
+    max_ngram: int = 3
+    threads: int = 1
+
+
+@dataclass
+class BenchContext:
+    model: LayeredModel
+    model_source: str  # what the user passed as --model (llama.cpp needs the GGUF file behind it)
+    settings: MethodSettings = field(default_factory=MethodSettings)
+
+
+class BenchMethod(ABC):
+    name: str
+
+    @abstractmethod
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> TurnResult:
+        """Greedy new tokens after ``prompt_ids``."""
+
+    def describe(self) -> dict:
+        """Settings shown in the summary and report."""
+        return {}
+
+    def close(self) -> None:
+        """Release what the method holds (restore shared state)."""
+
+
+class CatsMethod(BenchMethod):
+    """A CATS method: the one decode loop with this method's drafter."""
+
+    def __init__(self, name: str, context: BenchContext):
+        settings = context.settings
+        self.name = name
+        self.drafter = make_drafter(name, context.model, num_draft_tokens=settings.num_draft_tokens,
+                                    draft_layer=settings.draft_layer, max_ngram=settings.max_ngram)
+        self.generator = Generator(context.model, self.drafter, method=name)
+
+    def generate(self, prompt_ids, max_new_tokens):
+        result = self.generator.generate(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens))
+        return TurnResult(result.token_ids, list(result.stats.accept_lengths), result.stats.target_forwards)
+
+    def describe(self):
+        return self.drafter.describe() if self.drafter is not None else {"name": self.name}
+
+
+class _ChunkRecorder:
+    """A transformers streamer that records the size of each chunk ``generate`` commits: the first ``put`` is the
+    prompt, then one chunk per target forward (one token for plain decoding, accepted + 1 for assisted decoding)."""
+
+    def __init__(self):
+        self.prompt_seen, self.chunks = False, []
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+        else:
+            self.chunks.append(int(value.numel()))
+
+    def end(self) -> None:
+        pass
+
+
+class HfGenerateMethod(BenchMethod):
+    """transformers ``generate`` on ``model.hf_model``, greedy (``do_sample=False`` explicitly: real checkpoints
+    often ship ``do_sample=True`` in their generation config).
+
+    Assistant settings (draft length, confidence threshold, schedule) are read by transformers from the
+    *assistant's* generation config, which for ``assistant_early_exit`` is the target's own; passed as ``generate``
+    keywords they would be silently ignored. They are set on ``hf_model.generation_config`` for the call and
+    restored afterwards. Target forwards are counted with a forward hook on the last decoder layer, which the
+    early-exit draft (layers ``[0, E)``) never runs."""
+
+    def __init__(self, name: str, context: BenchContext, generate_kwargs: dict, assistant_settings: dict):
+        self.name, self.model = name, context.model
+        self.generate_kwargs, self.assistant_settings = generate_kwargs, assistant_settings
+
+    def generate(self, prompt_ids, max_new_tokens):
+        model = self.model
+        hf_model, config = model.hf_model, model.hf_model.generation_config
+        input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=model.device)
+        eos = sorted(model.eos_token_ids)
+        recorder, forwards = _ChunkRecorder(), [0]
+        hook = model.layers[-1].register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+        saved = {key: getattr(config, key, None) for key in self.assistant_settings}
+        try:
+            for key, value in self.assistant_settings.items():
+                setattr(config, key, value)
+            with torch.inference_mode():
+                output = hf_model.generate(
+                    input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                    do_sample=False, eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0,
+                    streamer=recorder, **self.generate_kwargs,
+                )
+        finally:
+            hook.remove()
+            for key, value in saved.items():
+                setattr(config, key, value)
+        new_tokens = [int(t) for t in output[0, input_ids.shape[1]:]]
+        return TurnResult(new_tokens, recorder.chunks[1:], forwards[0])
+
+    def describe(self):
+        return {"name": self.name, **{k: v for k, v in self.generate_kwargs.items()}, **self.assistant_settings}
+
+
+def hf_method(name: str, context: BenchContext) -> HfGenerateMethod:
+    settings = context.settings
+    if name == "hf-ar":
+        return HfGenerateMethod(name, context, {}, {})
+    if name == "hf-pld":
+        kwargs = {"prompt_lookup_num_tokens": settings.num_draft_tokens or DEFAULT_PLD_TOKENS,
+                  "max_matching_ngram_size": settings.max_ngram}
+        return HfGenerateMethod(name, context, kwargs, {})
+    if name == "hf-early-exit":
+        model = context.model
+        layer = default_draft_layer(model) if settings.draft_layer is None else settings.draft_layer
+        if not 1 <= layer < model.num_layers:
+            raise InvalidArgumentError(f"draft layer {layer} is outside [1, {model.num_layers}) for this model")
+        assistant = {"num_assistant_tokens": settings.num_draft_tokens or DEFAULT_EARLY_EXIT_TOKENS,
+                     "assistant_confidence_threshold": 0.0, "num_assistant_tokens_schedule": "constant"}
+        return HfGenerateMethod(name, context, {"assistant_early_exit": layer}, assistant)
+    raise AssertionError(f"{name!r} is not a transformers baseline")
+
+
+def find_gguf(model_source: str) -> Path | None:
+    """The GGUF file behind ``--model``: the file itself, the single ``.gguf`` in a folder, or the source recorded
+    in a folder that `cats.model.load.convert_gguf` wrote. None when the model did not come from a GGUF file."""
+    import json
+
+    path = Path(model_source).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        record = path / "cats-source.json"
+        if record.is_file():
+            source = Path(json.loads(record.read_text()).get("gguf", ""))
+            if source.is_file():
+                return source
+    return None
+
+
+class LlamaCppMethod(BenchMethod):
+    """llama-cpp-python's ``Llama.generate`` with greedy sampling, optionally with its prompt-lookup drafter.
+
+    The prompt is the same token ids the other methods get (the GGUF's vocabulary is the tokenizer's).
+    ``Llama.reset()`` before each run stops llama.cpp from reusing the KV cache of an earlier prompt with the same
+    prefix, so every run prefills its whole prompt like the other methods. Target forwards are the calls of
+    ``Llama.eval`` (one per verification round; the prompt is the first)."""
+
+    def __init__(self, name: str, context: BenchContext, prompt_lookup: bool):
+        try:
+            llama_cpp = importlib.import_module("llama_cpp")
+        except ImportError:
+            raise MethodUnavailableError(
+                f"{name} needs llama-cpp-python, which is not installed (pip install 'cats[baselines]')") from None
+        gguf = find_gguf(context.model_source)
+        if gguf is None:
+            raise MethodUnavailableError(
+                f"{name} needs a GGUF model; {context.model_source!r} is neither a .gguf file nor converted from one")
+        settings, model = context.settings, context.model
+        self.name, self.gguf, self.eos = name, gguf, model.eos_token_ids
+        self.settings = {"name": name, "gguf": str(gguf), "threads": settings.threads}
+        draft_model = None
+        if prompt_lookup:
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            num_tokens = settings.num_draft_tokens or DEFAULT_PLD_TOKENS
+            draft_model = LlamaPromptLookupDecoding(max_ngram_size=settings.max_ngram, num_pred_tokens=num_tokens)
+            self.settings.update(num_pred_tokens=num_tokens, max_ngram_size=settings.max_ngram)
+        self.llm = llama_cpp.Llama(
+            model_path=str(gguf), n_ctx=min(model.context_length, LLAMA_CPP_MAX_CONTEXT), n_threads=settings.threads,
+            n_threads_batch=settings.threads, draft_model=draft_model, seed=0, verbose=False,
+        )
+
+    def generate(self, prompt_ids, max_new_tokens):
+        llm, tokens, eval_starts = self.llm, [], []
+        original_eval = llm.eval
+
+        def counting_eval(batch):
+            eval_starts.append(len(tokens))  # tokens yielded before this forward
+            return original_eval(batch)
+
+        llm.reset()
+        llm.eval = counting_eval
+        try:
+            for token in llm.generate(list(prompt_ids), temp=0.0, repeat_penalty=1.0, reset=True):
+                tokens.append(int(token))
+                if tokens[-1] in self.eos or len(tokens) >= max_new_tokens:
+                    break
+        finally:
+            del llm.eval  # back to the class's method
+        bounds = eval_starts + [len(tokens)]
+        per_forward = [end - start for start, end in zip(bounds, bounds[1:])]
+        return TurnResult(tokens, per_forward[1:], len(eval_starts))
+
+    def describe(self):
+        return dict(self.settings)
+
+    def close(self):
+        close = getattr(self.llm, "close", None)
+        if close is not None:
+            close()
+
+
+def make_method(name: str, context: BenchContext) -> BenchMethod:
+    """The method called ``name``; raises `MethodUnavailableError` for a known method that cannot run here."""
+    if name in CATS_METHODS:
+        return CatsMethod(name, context)
+    if name in HF_METHODS:
+        return hf_method(name, context)
+    if name in LLAMA_CPP_METHODS:
+        return LlamaCppMethod(name, context, prompt_lookup=name == "llama-cpp-pld")
+    raise UnknownMethodError(f"unknown method {name!r}; known methods: {', '.join(known_methods())}")

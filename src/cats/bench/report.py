@@ -1,0 +1,76 @@
+"""``report.md``: the run's settings, one table over all questions and one table per category."""
+
+from __future__ import annotations
+
+from cats.bench.methods import LLAMA_CPP_METHODS, LLAMA_CPP_WEIGHTS_NOTE
+
+
+def _cell(value, digits: int = 2, suffix: str = "") -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}{suffix}"
+    return f"{value}{suffix}"
+
+
+def _percent(value) -> str:
+    return "–" if value is None else f"{value:.0%}"
+
+
+def render_report(summary: dict, requested_methods: list[str] | None = None) -> str:
+    methods = summary["methods"]
+    baseline, reference = summary.get("baseline"), summary.get("exact_match_reference")
+    lines = [
+        "# cats bench report",
+        "",
+        f"- model: `{summary['model']}`, dtype {summary['dtype']}, {summary['threads']} threads",
+        f"- questions: {summary['questions']} from `{summary.get('question_file', '?')}` "
+        f"(turns: {summary.get('turns', 'first')}, prompt format: {summary.get('prompt_format', 'chat')})",
+        f"- max new tokens: {summary['max_new_tokens']}; acceptance mode: **{summary.get('acceptance', 'greedy')}** "
+        f"(temperature 0: every method must produce the tokens of plain greedy decoding)",
+        f"- speedup baseline: {f'`{baseline}`' if baseline else 'none (neither ar nor hf-ar ran)'}; "
+        "speedup = mean per-question tokens/s of the method / that of the baseline (Spec-Bench's speed.py), "
+        "aggregate = total tokens / total time, ratio to the baseline's",
+        f"- exact match: fraction of questions whose tokens equal those of "
+        f"{f'`{reference}`' if reference else '(no reference: neither ar nor hf-ar ran)'}",
+        "- mean accepted: tokens committed per target forward after the first (1.00 for plain decoding)",
+        "- peak RSS: the process's resident memory while the method ran (shared weights included)",
+        "",
+        "## All questions",
+        "",
+        "| method | tokens/s | speedup | speedup (aggregate) | mean accepted | new tokens | wall s | peak RSS MB "
+        "| exact match | failures |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, m in methods.items():
+        lines.append(
+            f"| {name} | {_cell(m['tokens_per_s'], 1)} | {_cell(m['speedup'], 2, 'x')} "
+            f"| {_cell(m['speedup_aggregate'], 2, 'x')} | {_cell(m['mean_accepted'])} | {m['new_tokens']} "
+            f"| {_cell(m['wall_s'], 1)} | {_cell(m['peak_rss_mb'], 0)} | {_percent(m['exact_match'])} | {m['failures']} |"
+        )
+    categories = list(dict.fromkeys(cat for m in methods.values() for cat in m["per_category"]))
+    for category in categories:
+        lines += ["", f"## {category}", "", "| method | tokens/s | speedup | speedup (aggregate) | mean accepted |",
+                  "|---|---|---|---|---|"]
+        for name, m in methods.items():
+            c = m["per_category"].get(category)
+            if c is not None:
+                lines.append(f"| {name} | {_cell(c['tokens_per_s'], 1)} | {_cell(c['speedup'], 2, 'x')} "
+                             f"| {_cell(c['speedup_aggregate'], 2, 'x')} | {_cell(c['mean_accepted'])} |")
+    notes = []
+    for name, reason in summary.get("skipped", {}).items():
+        notes.append(f"- `{name}` was skipped: {reason}")
+    for name, m in methods.items():
+        if m["failures"]:
+            notes.append(f"- `{name}` failed on {m['failures']} question(s): "
+                         + "; ".join(f"{qid}: {error}" for qid, error in list(m["errors"].items())[:3]))
+    if any(name in LLAMA_CPP_METHODS for name in list(methods) + list(summary.get("skipped", {}))
+           + list(requested_methods or [])):
+        notes.append("- " + LLAMA_CPP_WEIGHTS_NOTE.format(dtype=summary["dtype"]))
+    settings = {name: m.get("settings") for name, m in methods.items() if m.get("settings")}
+    if settings:
+        notes.append("- method settings: " + "; ".join(
+            f"`{name}` " + ", ".join(f"{k}={v}" for k, v in s.items() if k != "name") for name, s in settings.items()))
+    if notes:
+        lines += ["", "## Notes", ""] + notes
+    return "\n".join(lines) + "\n"
