@@ -17,6 +17,7 @@ one (the first forward reads the prompt); plain decoding gives all ones.
 from __future__ import annotations
 
 import importlib
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -179,7 +180,7 @@ class HfGenerateMethod(BenchMethod):
         return TurnResult(new_tokens, recorder.chunks[1:], forwards[0])
 
     def describe(self):
-        return {"name": self.name, **{k: v for k, v in self.generate_kwargs.items()}, **self.assistant_settings}
+        return {"name": self.name, **self.generate_kwargs, **self.assistant_settings}
 
 
 def hf_method(name: str, context: BenchContext) -> HfGenerateMethod:
@@ -204,8 +205,6 @@ def hf_method(name: str, context: BenchContext) -> HfGenerateMethod:
 def find_gguf(model_source: str) -> Path | None:
     """The GGUF file behind ``--model``: the file itself, the single ``.gguf`` in a folder, or the source recorded
     in a folder that `cats.model.load.convert_gguf` wrote. None when the model did not come from a GGUF file."""
-    import json
-
     path = Path(model_source).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         return path

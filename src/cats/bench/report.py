@@ -67,10 +67,11 @@ def render_report(summary: dict, requested_methods: list[str] | None = None) -> 
     if any(name in LLAMA_CPP_METHODS for name in list(methods) + list(summary.get("skipped", {}))
            + list(requested_methods or [])):
         notes.append("- " + LLAMA_CPP_WEIGHTS_NOTE.format(dtype=summary["dtype"]))
-    settings = {name: m.get("settings") for name, m in methods.items() if m.get("settings")}
+    settings = {name: {k: v for k, v in (m.get("settings") or {}).items() if k != "name"} for name, m in methods.items()}
+    settings = {name: s for name, s in settings.items() if s}
     if settings:
         notes.append("- method settings: " + "; ".join(
-            f"`{name}` " + ", ".join(f"{k}={v}" for k, v in s.items() if k != "name") for name, s in settings.items()))
+            f"`{name}` " + ", ".join(f"{k}={v}" for k, v in s.items()) for name, s in settings.items()))
     if notes:
         lines += ["", "## Notes", ""] + notes
     return "\n".join(lines) + "\n"
