@@ -33,7 +33,7 @@ def plot_speedup(summary: dict, path: Path) -> bool:
     axes.set_xticks(x, categories, rotation=30, ha="right")
     axes.set_ylabel(f"speedup over {summary['baseline']}")
     axes.set_title(f"{Path(str(summary['model'])).name}, {summary['dtype']}, {summary['threads']} threads")
-    axes.legend(fontsize="small")
+    axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, not on them
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     return True
@@ -60,7 +60,7 @@ def plot_accept_lengths(answers: dict[str, list[dict]], path: Path) -> bool:
     axes.set_xticks(x)
     axes.set_xlabel("tokens committed per target forward")
     axes.set_ylabel("fraction of decode steps")
-    axes.legend(fontsize="small")
+    axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, not on them
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     return True
