@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from cats.errors import CatsError
+from cats.errors import CatsError, InvalidArgumentError
 
 HUB_DEFAULT = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SHARED_DEFAULT = Path("shared") / "data" / "smollm2-135m-instruct-gguf"
@@ -27,7 +27,8 @@ def default_model() -> str:
     return HUB_DEFAULT
 
 
-def positive_int(text: str) -> int:
+def integer(text: str) -> int:
+    """An integer argument; ranges are checked by the API so that the CLI and Python users get the same errors."""
     try:
         return int(text)
     except ValueError:
@@ -38,7 +39,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help=f"HF folder, .gguf file or Hub id (default: {HUB_DEFAULT}, "
                         "from ../shared/data when present)")
     parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16 or float64")
-    parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    parser.add_argument("--threads", type=integer, default=None, help="torch CPU threads")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,11 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the chat template (prompt = one user message)")
     gen.add_argument("--system", default=None, help="system message, with --chat")
     gen.add_argument("--method", default="ar", help="ar (plain decoding), pld (prompt lookup), early-exit")
-    gen.add_argument("--draft-layer", type=positive_int, default=None, help="early-exit layer L_d (default: depth/8)")
-    gen.add_argument("--num-draft-tokens", "-k", type=positive_int, default=None,
+    gen.add_argument("--draft-layer", type=integer, default=None, help="early-exit layer L_d (default: depth/8)")
+    gen.add_argument("--num-draft-tokens", "-k", type=integer, default=None,
                      help="tokens drafted per step (default: pld 10, early-exit 4)")
-    gen.add_argument("--max-ngram", type=positive_int, default=3, help="longest n-gram prompt lookup matches")
-    gen.add_argument("--max-new-tokens", type=positive_int, default=128)
+    gen.add_argument("--max-ngram", type=integer, default=3, help="longest n-gram prompt lookup matches")
+    gen.add_argument("--max-new-tokens", type=integer, default=128)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     gen.add_argument("--stats", action="store_true", help="print generation statistics to stderr")
@@ -70,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_bench_parser(commands)
     return parser
+
+
+def set_threads(threads: int) -> None:
+    if threads < 1:
+        raise InvalidArgumentError(f"--threads must be at least 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 def quiet_transformers() -> None:
@@ -128,12 +137,10 @@ def run_generate(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "threads", None):
-        import torch
-
-        torch.set_num_threads(args.threads)
     quiet_transformers()
     try:
+        if getattr(args, "threads", None) is not None:
+            set_threads(args.threads)
         return args.run(args)
     except CatsError as error:
         print(f"cats: error: {error}", file=sys.stderr)

@@ -15,7 +15,7 @@ def add_bench_parser(subparsers) -> None:
     from cats.bench.methods import known_methods
     from cats.bench.prompts import PROMPT_FORMATS
     from cats.bench.runner import TURN_MODES
-    from cats.cli import add_model_arguments, positive_int
+    from cats.cli import add_model_arguments, integer
 
     bench = subparsers.add_parser(
         "bench", help="benchmark methods and baselines on Spec-Bench / MT-Bench questions",
@@ -28,22 +28,22 @@ def add_bench_parser(subparsers) -> None:
     bench.add_argument("--out", type=Path, help="output folder")
     bench.add_argument("--methods", default=DEFAULT_METHODS,
                        help=f"comma-separated methods (default: {DEFAULT_METHODS}); known: {', '.join(known_methods())}")
-    bench.add_argument("--limit", type=positive_int, default=None, help="only the first N selected questions")
-    bench.add_argument("--per-category", type=positive_int, default=None,
+    bench.add_argument("--limit", type=integer, default=None, help="only the first N selected questions")
+    bench.add_argument("--per-category", type=integer, default=None,
                        help="only the first N questions of each category (a stratified subset)")
     bench.add_argument("--turns", choices=TURN_MODES, default="first", help="first turn only (default) or all turns")
     bench.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="chat",
                        help="chat: apply the chat template (default); raw: plain text, for models without one")
-    bench.add_argument("--max-new-tokens", type=positive_int, default=256)
+    bench.add_argument("--max-new-tokens", type=integer, default=256)
     bench.add_argument("--temperature", type=float, default=0.0,
                        help="only 0 (greedy) is implemented so far; other values are rejected")
-    bench.add_argument("--warmup", type=positive_int, default=1, help="warm-up runs per method (default 1)")
-    bench.add_argument("--num-draft-tokens", "-k", type=positive_int, default=None,
+    bench.add_argument("--warmup", type=integer, default=1, help="warm-up runs per method (default 1)")
+    bench.add_argument("--num-draft-tokens", "-k", type=integer, default=None,
                        help="tokens drafted per step, for pld/early-exit and their baselines (default: pld 10, "
                             "early-exit 4)")
-    bench.add_argument("--draft-layer", type=positive_int, default=None,
+    bench.add_argument("--draft-layer", type=integer, default=None,
                        help="early-exit layer, for early-exit and hf-early-exit (default: depth/8)")
-    bench.add_argument("--max-ngram", type=positive_int, default=3,
+    bench.add_argument("--max-ngram", type=integer, default=3,
                        help="longest n-gram prompt lookup matches, for pld and its baselines")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(run=run_bench_command)

@@ -138,6 +138,16 @@ def _save_plain(hf_model, folder: Path) -> None:
     save_model(hf_model, str(folder / "model.safetensors"), metadata={"format": "pt"})  # tied weights stored once
 
 
+def _drop_out_of_vocabulary_token_ids(config, name: str) -> None:
+    """Some GGUF files (e.g. llama.cpp conversions of llama2.c models) store 0xFFFFFFFF for "no such token";
+    transformers would build an embedding with that padding index and fail. Such ids mean "none"."""
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not 0 <= value < config.vocab_size:
+            warnings.warn(f"{name}: {key}={value} lies outside the {config.vocab_size}-token vocabulary; ignored")
+            setattr(config, key, None)
+
+
 def convert_gguf(gguf_path: Path) -> Path:
     """Dequantise a GGUF file to a float32 safetensors folder in the cache, once; return that folder.
 
@@ -148,14 +158,16 @@ def convert_gguf(gguf_path: Path) -> Path:
     target = cache_root() / "gguf" / f"{gguf_path.stem}-{_file_digest(gguf_path)[:16]}"
     if (target / "cats-source.json").is_file():
         return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
         folder, name = str(gguf_path.parent), gguf_path.name
-        hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        check_supported(hf_model.config)
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        check_supported(config)
+        _drop_out_of_vocabulary_token_ids(config, name)
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config, dtype=torch.float32)
         _save_plain(hf_model, staging)
         try:
             AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(staging)

@@ -1,0 +1,86 @@
+"""Shared fixtures: tiny random models of every supported family (no download) and the ../shared data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from cats.model import LayeredModel
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("CATS_SHARED", REPO_ROOT.parent / "shared"))
+SHARED_DATA = SHARED / "data"
+STORIES_HF = SHARED_DATA / "stories260k-gguf" / "hf"
+STORIES_GGUF = SHARED_DATA / "stories260k-gguf" / "stories260K.gguf"
+SMOLLM2 = SHARED_DATA / "smollm2-135m-instruct-gguf"
+MT_BENCH = SHARED_DATA / "mt_bench" / "question.jsonl"
+
+VOCAB = 96
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+              initializer_range=0.2)
+
+
+def tiny_config(family: str):
+    """A 4-layer config of ``family``; families ending in ``-swa`` use a 12-token sliding window."""
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config)
+
+    if family == "llama":
+        return LlamaConfig(**COMMON)
+    if family == "mistral":
+        return MistralConfig(**COMMON, sliding_window=None)
+    if family == "mistral-swa":
+        return MistralConfig(**COMMON, sliding_window=12)
+    if family == "qwen2":
+        return Qwen2Config(**COMMON)
+    if family == "qwen2-swa":  # sliding window on the upper layers only (max_window_layers)
+        return Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=12, max_window_layers=2)
+    if family == "qwen3":
+        return Qwen3Config(**COMMON, head_dim=16)
+    if family == "gemma3":
+        return Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=12, query_pre_attn_scalar=16,
+                                layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                                final_logit_softcapping=30.0)
+    if family == "phi3":
+        return Phi3Config(**COMMON, sliding_window=None)
+    raise ValueError(family)
+
+
+FAMILIES = ["llama", "mistral", "mistral-swa", "qwen2", "qwen2-swa", "qwen3", "gemma3", "phi3"]
+
+
+def tiny_model(family: str, seed: int = 0, damp: float | None = None, dtype=torch.float64) -> LayeredModel:
+    """Random tiny model. ``damp`` scales the output projections of layers >= 1 so that shallow exits often
+    agree with the full model (a stand-in for a trained early-exit model; exercises partial acceptance)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_config(family)
+    hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    if damp is not None:
+        with torch.no_grad():
+            for layer in hf_model.model.layers[1:]:
+                layer.self_attn.o_proj.weight.mul_(damp)
+                layer.mlp.down_proj.weight.mul_(damp)
+    return LayeredModel(hf_model.eval(), tokenizer=None, name=f"tiny-{family}")
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def family_model(request) -> LayeredModel:
+    return tiny_model(request.param)
+
+
+def needs(path: Path):
+    return pytest.mark.skipif(not path.exists(), reason=f"{path} not present (../shared data missing)")
+
+
+def hf_greedy(model: LayeredModel, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy decoding: the reference every CATS method must reproduce."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                      do_sample=False, num_beams=1, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()

@@ -1,0 +1,77 @@
+"""Loading from HF folders, GGUF files (converted once, cached) and Hub ids, with clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import cats
+import cats.model.load as load_module
+from cats.errors import MissingDependencyError, ModelNotFoundError, UnsupportedArchitectureError
+from tests.conftest import STORIES_GGUF, STORIES_HF, needs
+
+
+@needs(STORIES_HF)
+def test_hf_folder_loads_with_tokenizer_and_dtype():
+    model = cats.load(STORIES_HF, dtype="bfloat16")
+    assert model.num_layers == 5 and model.dtype == torch.bfloat16
+    assert model.tokenizer is not None and model.eos_token_ids == {2}
+    assert model.name == str(STORIES_HF)
+
+
+@needs(STORIES_GGUF)
+def test_gguf_is_converted_once_and_matches_the_hf_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("CATS_CACHE", str(tmp_path / "cache"))
+    with pytest.warns(UserWarning, match="tokenizer"):  # llama2.c GGUF tokenizers are not readable by transformers
+        from_gguf = cats.load(STORIES_GGUF)
+    converted = list((tmp_path / "cache" / "gguf").iterdir())
+    assert len(converted) == 1 and (converted[0] / "model.safetensors").is_file()
+    assert json.loads((converted[0] / "cats-source.json").read_text())["gguf"] == str(STORIES_GGUF.resolve())
+    reference = cats.load(STORIES_HF)
+    ids = torch.tensor([1, 400, 30, 87, 5])
+    with torch.no_grad():
+        assert torch.equal(from_gguf.forward(ids, from_gguf.new_cache()), reference.forward(ids, reference.new_cache()))
+
+    def no_second_conversion(*args, **kwargs):
+        raise AssertionError("converted twice")
+
+    monkeypatch.setattr(load_module, "_save_plain", no_second_conversion)
+    with pytest.warns(UserWarning):
+        cats.load(STORIES_GGUF.parent)  # a folder holding one .gguf file: the cached conversion is reused
+
+
+def test_gguf_without_gguf_package_is_a_clear_error(tmp_path, monkeypatch):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"GGUF")
+    real_find_spec = load_module.importlib.util.find_spec
+    monkeypatch.setattr(load_module.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gguf" else real_find_spec(name, *a))
+    with pytest.raises(MissingDependencyError, match="pip install gguf"):
+        cats.load(fake)
+
+
+def test_missing_paths_and_unreachable_hub_ids(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        cats.load(tmp_path / "no-such-model")
+    with pytest.raises(ModelNotFoundError, match="neither a config.json nor a .gguf"):
+        cats.load(tmp_path)
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ModelNotFoundError, match="not a .gguf"):
+        cats.load(tmp_path / "weights.bin")
+    with pytest.raises(ModelNotFoundError, match="Hugging Face Hub"):
+        cats.load("cats-tests-nonexistent-org/no-such-model-4711")
+
+
+def test_unsupported_architecture_is_rejected_before_loading_weights(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64).save_pretrained(tmp_path)  # no weights at all
+    with pytest.raises(UnsupportedArchitectureError, match="'gpt2'.*supports"):
+        cats.load(tmp_path)
+
+
+def test_unknown_dtype():
+    with pytest.raises(cats.InvalidArgumentError, match="dtype"):
+        load_module.resolve_dtype("int3")
