@@ -63,3 +63,23 @@ def test_readme_quick_start_on_the_default_model():
                     "--method", "pld", "--stats")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
+
+
+@needs(STORIES_HF)
+def test_generate_with_adapters(tmp_path):
+    import cats
+    from cats.draft.adapter import new_adapter
+
+    model = cats.load(STORIES_HF)
+    new_adapter(model, "draft", 2, vocab_subset=list(range(300))).save(tmp_path / "adapters" / "draft")
+    outputs = {}
+    for method, extra in (("ar", []), ("early-exit", ["--adapters", tmp_path / "adapters", "--threshold", "0.1"])):
+        proc = cats_cli("generate", "--model", STORIES_HF, "--prompt", "Once upon a time", "--max-new-tokens", 20,
+                        "--method", method, "--json", *extra)
+        assert proc.returncode == 0, proc.stderr
+        outputs[method] = json.loads(proc.stdout.splitlines()[-1])["token_ids"]
+    assert outputs["ar"] == outputs["early-exit"]
+    proc = cats_cli("generate", "--model", STORIES_HF, "--prompt", "hi", "--method", "pld", "--adapters", tmp_path / "adapters")
+    assert proc.returncode == 2 and "apply to early-exit" in proc.stderr
+    proc = cats_cli("generate", "--model", STORIES_HF, "--prompt", "hi", "--method", "early-exit", "--adapters", tmp_path)
+    assert proc.returncode == 2 and "no draft adapter" in proc.stderr

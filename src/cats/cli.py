@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-draft-tokens", "-k", type=integer, default=None,
                      help="tokens drafted per step (default: pld 10, early-exit 4)")
     gen.add_argument("--max-ngram", type=integer, default=3, help="longest n-gram prompt lookup matches")
+    gen.add_argument("--adapters", default=None, help="trained adapters folder (e.g. adapters/smollm2-135m-instruct); "
+                     "early-exit then drafts through its draft adapter")
+    gen.add_argument("--threshold", type=float, default=0.0,
+                     help="early-exit confidence stop: stop drafting below this draft probability")
     gen.add_argument("--max-new-tokens", type=integer, default=128)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
@@ -64,12 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
                      "prompt_token_ids, stats) as the last stdout line")
     gen.set_defaults(run=run_generate)
 
-    try:
-        from cats.bench.cli import add_bench_parser
-    except ImportError:
-        pass
-    else:
-        add_bench_parser(commands)
+    from cats.bench.cli import add_bench_parser
+    from cats.train.cli import add_train_parser
+
+    add_bench_parser(commands)
+    add_train_parser(commands)
     return parser
 
 
@@ -121,7 +124,8 @@ def run_generate(args) -> int:
     check_method(args.method)
     model = cats.load(args.model or default_model(), dtype=args.dtype)
     drafter = make_drafter(args.method, model, num_draft_tokens=args.num_draft_tokens,
-                           draft_layer=args.draft_layer, max_ngram=args.max_ngram)
+                           draft_layer=args.draft_layer, max_ngram=args.max_ngram, adapters=args.adapters,
+                           threshold=args.threshold)
     prompt_ids = encode_prompt(model, prompt, chat=args.chat, system=args.system)
     streamer = TextStreamer(model.tokenizer) if model.tokenizer is not None else None
     result = Generator(model, drafter, method=args.method).generate(prompt_ids, config, on_tokens=streamer)

@@ -76,9 +76,9 @@ class Generator:
         start = time.perf_counter()
 
         # 1. prefill: the whole prompt in one forward; its last row gives the first new token (pending, uncached)
-        state = DecodeState(model, model.new_cache(), list(prompt_ids), len(prompt_ids))
-        logits = model.forward(torch.tensor(prompt_ids), state.cache)
-        first = int(logits[-1].argmax())
+        cache = model.new_cache(extra_layers=self.drafter.cache_layers if self.drafter else 0)
+        state = DecodeState(model, cache, list(prompt_ids), len(prompt_ids))
+        first = self._prefill(state)
         state.token_ids.append(first)
         stats.target_forwards, stats.prefill_s = 1, time.perf_counter() - start
         chunk, reason = self._commit([first], stats, eos, config, stop_check)
@@ -112,6 +112,18 @@ class Generator:
             yield chunk
         stats.stop_reason = reason
         stats.wall_s = time.perf_counter() - start
+
+    def _prefill(self, state: DecodeState) -> int:
+        """Run the prompt through all layers (stopping at the layers whose states the drafter wants) and return
+        the target's first new token; the lm_head runs on the last position only."""
+        model, wanted = self.model, sorted(self.drafter.prefill_layers) if self.drafter else []
+        hidden, start, captured = model.embed(torch.tensor(state.token_ids)), 0, {}
+        for stop in wanted + [model.num_layers]:
+            hidden = model.forward_layers(hidden, start, stop, state.cache)
+            captured[stop], start = hidden, stop
+        if wanted:
+            self.drafter.prefill(state, captured)
+        return int(model.head(hidden[0, -1]).argmax())
 
     def _commit(self, tokens, stats, eos, config, stop_check) -> tuple[list[int], str]:
         """Cut a chunk at EOS, the token limit or a stop string; return it and the stop reason ('' = go on)."""
@@ -191,6 +203,8 @@ def generate(
     num_draft_tokens: int | None = None,
     draft_layer: int | None = None,
     max_ngram: int = 3,
+    adapters: str | None = None,
+    threshold: float = 0.0,
     chat: bool = False,
     stop: Sequence[str] = (),
     eos_token_ids: set[int] | None = None,
@@ -206,7 +220,8 @@ def generate(
 
         model = load_model(model, dtype=dtype)
     if drafter is None:
-        drafter = make_drafter(method, model, num_draft_tokens=num_draft_tokens, draft_layer=draft_layer, max_ngram=max_ngram)
+        drafter = make_drafter(method, model, num_draft_tokens=num_draft_tokens, draft_layer=draft_layer,
+                               max_ngram=max_ngram, adapters=adapters, threshold=threshold)
     else:
         method = drafter.name
     config = GenerationConfig(max_new_tokens=max_new_tokens, stop=stop, eos_token_ids=eos_token_ids, ignore_eos=ignore_eos)

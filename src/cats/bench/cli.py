@@ -45,6 +45,10 @@ def add_bench_parser(subparsers) -> None:
                        help="early-exit layer, for early-exit and hf-early-exit (default: depth/8)")
     bench.add_argument("--max-ngram", type=integer, default=3,
                        help="longest n-gram prompt lookup matches, for pld and its baselines")
+    bench.add_argument("--adapters", default=None,
+                       help="trained adapters folder (e.g. adapters/smollm2-135m-instruct): early-exit drafts through "
+                            "its draft adapter")
+    bench.add_argument("--threshold", type=float, default=0.0, help="early-exit confidence stop (CATS early-exit)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(run=run_bench_command)
 
@@ -72,7 +76,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         threads=args.threads, turns=args.turns, prompt_format=args.prompt_format, limit=args.limit,
         per_category=args.per_category, warmup=args.warmup,
         settings=MethodSettings(num_draft_tokens=args.num_draft_tokens, draft_layer=args.draft_layer,
-                                max_ngram=args.max_ngram),
+                                max_ngram=args.max_ngram, adapters=args.adapters, threshold=args.threshold),
         progress=not args.no_progress,
     )
     summary = run_bench(config)

@@ -81,6 +81,8 @@ class MethodSettings:
     num_draft_tokens: int | None = None
     draft_layer: int | None = None
     max_ngram: int = 3
+    adapters: str | None = None  # trained adapters folder: early-exit drafts through its draft adapter
+    threshold: float = 0.0  # early-exit confidence stop (CATS early-exit only)
     threads: int = 1
 
 
@@ -113,7 +115,9 @@ class CatsMethod(BenchMethod):
         settings = context.settings
         self.name = name
         self.drafter = make_drafter(name, context.model, num_draft_tokens=settings.num_draft_tokens,
-                                    draft_layer=settings.draft_layer, max_ngram=settings.max_ngram)
+                                    draft_layer=settings.draft_layer, max_ngram=settings.max_ngram,
+                                    **({"adapters": settings.adapters, "threshold": settings.threshold}
+                                       if name == "early-exit" else {}))
         self.generator = Generator(context.model, self.drafter, method=name)
 
     def generate(self, prompt_ids, max_new_tokens):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from cats.draft.base import DecodeState, Drafter, Proposal
 from cats.draft.early_exit import EarlyExitDrafter, default_draft_layer
 from cats.draft.prompt_lookup import PromptLookupDrafter
-from cats.errors import UnknownMethodError
+from cats.errors import InvalidArgumentError, UnknownMethodError
 from cats.model import LayeredModel
 
 METHODS = ("ar", "pld", "early-exit")
@@ -24,15 +24,28 @@ def make_drafter(
     num_draft_tokens: int | None = None,
     draft_layer: int | None = None,
     max_ngram: int = 3,
+    adapters: str | None = None,
+    threshold: float = 0.0,
 ) -> Drafter | None:
-    """The drafter for a method name; ``None`` for plain autoregressive decoding (``ar``)."""
+    """The drafter for a method name; ``None`` for plain autoregressive decoding (``ar``).
+
+    ``adapters``: a folder with trained adapters (``DIR/draft/`` or an adapter folder itself); early exit then
+    drafts through the draft adapter at its own layer. ``threshold``: early exit's confidence stop."""
     check_method(method)
+    if method != "early-exit" and (adapters is not None or threshold):
+        raise InvalidArgumentError(f"--adapters and --threshold apply to early-exit drafting, not to method {method!r}")
     if method == "ar":
         return None
     if method == "pld":
         return PromptLookupDrafter(num_tokens=num_draft_tokens or 10, max_ngram=max_ngram)
     if method == "early-exit":
-        return EarlyExitDrafter(model, layer=draft_layer, num_tokens=num_draft_tokens or 4)
+        adapter = None
+        if adapters is not None:
+            from cats.draft.adapter import find_adapter, load_adapter
+
+            adapter = load_adapter(find_adapter(adapters, "draft"), model, role="draft")
+        return EarlyExitDrafter(model, layer=draft_layer, num_tokens=num_draft_tokens or 4, adapter=adapter,
+                                threshold=threshold)
     raise AssertionError(f"method {method!r} is listed in METHODS but has no drafter")
 
 

@@ -1,16 +1,16 @@
-"""Early exit: the target's first ``layer`` layers plus a head (the target's own final norm + lm_head, or a
-trained draft adapter) form a virtual draft model that shares the target's weights and KV cache.
+"""Early exit: the target's first ``layer`` layers plus a head form a virtual draft model that shares the
+target's weights and KV cache. The head is the target's own final norm + lm_head, or a trained draft adapter
+(one decoder block + norm, read out through the target's lm_head, optionally over a reduced vocabulary).
 
-Drafting writes K/V of layers ``[0, layer)`` for ``[x, d_1..d_k]``; the verifier reuses them and runs only the
-deep layers ``[layer, N)`` on the returned hidden states, so no layer runs twice for the same token.
+Drafting writes K/V of layers ``[0, layer)`` (and the adapter's own cache layer) for ``[x, d_1..d_k]``; the
+verifier reuses them and runs only the deep layers ``[layer, N)``, so no layer runs twice for the same token.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
+from cats.draft.adapter import Adapter
 from cats.draft.base import DecodeState, Drafter, Proposal
 from cats.errors import InvalidArgumentError
 from cats.model import LayeredModel
@@ -26,20 +26,22 @@ class EarlyExitDrafter(Drafter):
 
     Args:
         model: the target.
-        layer: exit layer L_d, in ``[1, num_layers)``: drafts use layers ``[0, L_d)``.
-        num_tokens: draft length k per step.
-        head: hidden ``[..., H]`` -> logits ``[..., V]``; default the target's final norm + lm_head.
+        layer: exit layer L_d, in ``[1, num_layers)``: drafts use layers ``[0, L_d)``. With an adapter, its layer.
+        num_tokens: maximum draft length k per step.
+        adapter: a trained draft adapter (see `cats.draft.adapter`); None = the target's own norm + lm_head.
+        threshold: confidence stop: after the first drafted token, drafting stops before a token whose draft
+            probability is below this (0 = always draft ``num_tokens``).
     """
 
     name = "early-exit"
 
-    def __init__(
-        self,
-        model: LayeredModel,
-        layer: int | None = None,
-        num_tokens: int = 4,
-        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ):
+    def __init__(self, model: LayeredModel, layer: int | None = None, num_tokens: int = 4,
+                 adapter: Adapter | None = None, threshold: float = 0.0):
+        if adapter is not None:
+            if layer is not None and layer != adapter.config.layer:
+                raise InvalidArgumentError(f"draft layer {layer} given, but the draft adapter was trained at layer "
+                                           f"{adapter.config.layer}; drop --draft-layer or use a matching adapter")
+            layer = adapter.config.layer
         layer = default_draft_layer(model) if layer is None else layer
         if not 1 <= layer < model.num_layers:
             raise InvalidArgumentError(
@@ -47,8 +49,32 @@ class EarlyExitDrafter(Drafter):
             )
         if num_tokens < 1:
             raise InvalidArgumentError(f"early exit needs num_tokens >= 1, got {num_tokens}")
-        self.model, self.layer, self.num_tokens = model, layer, num_tokens
-        self.head = head or model.head
+        if not 0.0 <= threshold < 1.0:
+            raise InvalidArgumentError(f"the draft confidence threshold must lie in [0, 1), got {threshold}")
+        self.model, self.layer, self.num_tokens, self.threshold = model, layer, num_tokens, threshold
+        self.adapter = adapter
+        if adapter is not None:
+            adapter.cache_layer = model.num_layers  # the first extra cache layer
+        self.cache_layers = 1 if adapter is not None else 0
+        self.prefill_layers = (layer,) if adapter is not None else ()
+
+    def prefill(self, state: DecodeState, hidden: dict[int, torch.Tensor]) -> None:
+        """Give the adapter the prompt's layer-L states, so it attends over the whole context from step one."""
+        if self.adapter is not None:
+            self.adapter(hidden[self.layer], state.cache)
+
+    def _draft_logits(self, hidden: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """Full-vocabulary logits ``[V]`` of the draft for the last position of ``hidden`` (``[1, 1, H]``)."""
+        if self.adapter is None:
+            return self.model.head(hidden[0, -1])
+        return self._adapter_logits(self.adapter(hidden, state.cache)[0, -1])
+
+    def _adapter_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        logits = self.adapter.logits(normed)
+        if self.adapter.vocab_ids is None:
+            return logits
+        full = logits.new_full((self.model.vocab_size,), float("-inf"))  # q is zero outside the draft vocabulary
+        return full.index_copy_(0, self.adapter.vocab_ids, logits)
 
     def propose(self, state: DecodeState, max_tokens: int) -> Proposal:
         count = min(self.num_tokens, max_tokens)
@@ -56,12 +82,16 @@ class EarlyExitDrafter(Drafter):
             return Proposal.empty()
         model, token = self.model, state.token_ids[-1]
         states, drafted, draft_logits = [], [], []
-        for step in range(count + 1):  # the last pass only computes d_k's layer-L_d state for the verifier
+        for step in range(count + 1):
             hidden = model.forward_layers(model.embed(torch.tensor([token])), 0, self.layer, state.cache)
             states.append(hidden)
-            if step == count:
+            if step == count:  # the last pass only computes d_k's states (and adapter K/V) for the verifier
+                if self.adapter is not None:
+                    self.adapter(hidden, state.cache)
                 break
-            logits = self.head(hidden[0, -1])
+            logits = self._draft_logits(hidden, state)
+            if step > 0 and self.threshold > 0 and float(torch.softmax(logits.float(), -1).max()) < self.threshold:
+                break  # confidence stop: x, d_1..d_step went through the draft layers; d_{step+1} is not drafted
             token = int(logits.argmax())
             drafted.append(token)
             draft_logits.append(logits)
@@ -73,4 +103,10 @@ class EarlyExitDrafter(Drafter):
         )
 
     def describe(self) -> dict:
-        return {"name": self.name, "layer": self.layer, "num_tokens": self.num_tokens}
+        info = {"name": self.name, "layer": self.layer, "num_tokens": self.num_tokens}
+        if self.threshold:
+            info["threshold"] = self.threshold
+        if self.adapter is not None:
+            vocab = self.adapter.config.vocab_subset
+            info["adapter"] = {"block": self.adapter.config.block, "vocab": len(vocab) if vocab else self.model.vocab_size}
+        return info

@@ -121,8 +121,10 @@ class LayeredModel:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def new_cache(self) -> KVCache:
-        return KVCache(self.num_layers)
+    def new_cache(self, extra_layers: int = 0) -> KVCache:
+        """A cache for the target's layers plus ``extra_layers`` slots (indices ``num_layers ..``) that adapters
+        use for their own blocks, so that every roll-back of the target rolls them back too."""
+        return KVCache(self.num_layers + extra_layers)
 
     # ------------------------------------------------------------------ forward pieces
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -172,15 +174,10 @@ class LayeredModel:
         if position_ids is None:
             position_ids = torch.arange(past, past + num_new)
         position_ids = position_ids.to(torch.long).cpu()
-        masks = self._masks(cache.positions(start), position_ids, attend, self.layer_types[start:end])
+        kinds = set(self.layer_types[start:end])
+        masks = {kind: self.attention_mask(cache.positions(start), position_ids, attend, kind) for kind in kinds}
         device_positions = position_ids.to(self.device).unsqueeze(0)
-        rotary = {}
-        for kind in set(self.layer_types[start:end]):
-            if self._rotary_per_layer_type:
-                rotary[kind] = self.decoder.rotary_emb(hidden, device_positions, kind)
-            else:
-                rotary.setdefault(FULL, self.decoder.rotary_emb(hidden, device_positions))
-                rotary[kind] = rotary[FULL]
+        rotary = {kind: self.rotary(hidden, device_positions, kind) for kind in kinds}
         for i in range(start, end):
             kind = self.layer_types[i]
             out = self.layers[i](
@@ -206,29 +203,34 @@ class LayeredModel:
         hidden = self.forward_layers(self.embed(input_ids), 0, self.num_layers, cache, position_ids, attend)
         return self.head(hidden)[0]
 
-    # ------------------------------------------------------------------ masks
-    def _masks(self, past_positions, query_positions, attend, kinds) -> dict[str, torch.Tensor | None]:
-        """Additive float masks ``[1, 1, T, P+T]`` (0 = attend, finfo.min = hidden) per attention kind, or None
-        where every slot is visible to a single query (SDPA and eager both need no mask then).
+    # ------------------------------------------------------------------ masks and rotary embeddings
+    def rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor, kind: str = FULL):
+        """The model's own rotary (cos, sin) for ``position_ids`` (``[1, T]`` or ``[B, T]``) and attention kind.
+        Families that differ in nothing else share one rotary embedding; Gemma3 has one per kind."""
+        if self._rotary_per_layer_type:
+            return self.decoder.rotary_emb(hidden, position_ids, kind)
+        return self.decoder.rotary_emb(hidden, position_ids)
+
+    def attention_mask(
+        self, past_positions: torch.Tensor, query_positions: torch.Tensor, attend: torch.Tensor | None, kind: str
+    ) -> torch.Tensor | None:
+        """Additive float mask ``[1, 1, T, P+T]`` (0 = attend, finfo.min = hidden) for T new tokens over P cached
+        slots with these positions, or None where every slot is visible to a single query (SDPA and eager both
+        need no mask then).
 
         Float, not bool: eager attention adds the mask to the scores, so a bool mask would be silently wrong."""
         num_past, num_new = past_positions.numel(), query_positions.numel()
         if attend is None:
-            allowed = torch.ones(num_new, num_past + num_new, dtype=torch.bool).tril(num_past)
+            visible = torch.ones(num_new, num_past + num_new, dtype=torch.bool).tril(num_past)
         else:
             if attend.shape != (num_new, num_past + num_new):
                 raise ValueError(f"attend must be [{num_new}, {num_past + num_new}], got {list(attend.shape)}")
-            allowed = attend.to(torch.bool).cpu()
-        masks: dict[str, torch.Tensor | None] = {}
-        for kind in set(kinds):
-            visible = allowed
-            if kind == SLIDING and self.sliding_window:
-                kv_positions = torch.cat([past_positions, query_positions])
-                visible = visible & (query_positions[:, None] - kv_positions[None, :] < self.sliding_window)
-            if num_new == 1 and bool(visible.all()):
-                masks[kind] = None
-            else:
-                mask = torch.zeros(visible.shape, dtype=self.dtype)
-                mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
-                masks[kind] = mask[None, None].to(self.device)
-        return masks
+            visible = attend.to(torch.bool).cpu()
+        if kind == SLIDING and self.sliding_window:
+            kv_positions = torch.cat([past_positions, query_positions])
+            visible = visible & (query_positions[:, None] - kv_positions[None, :] < self.sliding_window)
+        if num_new == 1 and bool(visible.all()):
+            return None
+        mask = torch.zeros(visible.shape, dtype=self.dtype)
+        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+        return mask[None, None].to(self.device)

@@ -445,6 +445,7 @@ class TrainingData:
         for shard in self.shards:
             self._first_sample.append(self._first_sample[-1] + shard["samples"])
         self._open: OrderedDict[int, tuple] = OrderedDict()
+        self._lengths: list[int] | None = None
 
     @classmethod
     def open(cls, path: str | Path, model=None) -> "TrainingData":
@@ -510,6 +511,15 @@ class TrainingData:
             "topk_ids": read("topk_ids").long(),
             "topk_probs": read("topk_probs").float(),
         }
+
+    def sample_length(self, i: int) -> int:
+        """Tokens of sample ``i`` (prompt + response), without reading its tensors."""
+        if self._lengths is None:
+            self._lengths = []
+            for index in range(len(self.shards)):
+                starts = self._shard(index)[1]
+                self._lengths.extend(b - a for a, b in zip(starts, starts[1:]))
+        return self._lengths[i]
 
     def response_token_counts(self, vocab_size: int) -> torch.Tensor:
         """``LongTensor[vocab_size]``: how often each token occurs as a response token (for a reduced draft

@@ -1,0 +1,195 @@
+"""Draft and shallow adapters: one decoder block of the target's own architecture (attention + MLP, or attention
+only as in Kangaroo) plus a norm, fed the target's hidden state after layer L and read out through the target's
+own lm_head (shared with the target, never stored in the adapter; with a reduced vocabulary only those rows).
+
+On disk an adapter is an HF-style folder: ``config.json`` (see `AdapterConfig`) + ``model.safetensors`` (the
+block and norm weights only). It records the identity of the base model it was trained on; loading it onto
+another model or asking it for another layer is an error naming both.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from cats.errors import CatsError
+from cats.model import KVCache, LayeredModel
+from cats.model.identity import model_identity
+
+FORMAT = "cats-adapter/1"
+ROLES = ("draft", "shallow")
+BLOCKS = ("decoder", "attention")
+INITS = ("next", "copy", "random")
+
+
+class AdapterError(CatsError):
+    """A missing, malformed or mismatched adapter."""
+
+
+@dataclass
+class AdapterConfig:
+    role: str  # "draft" (proposes tokens) or "shallow" (the cascade's shallow verifier)
+    layer: int  # fed the hidden state after `layer` decoder layers (the input of 0-based layer `layer`)
+    architecture: str  # the base model's model_type
+    base_model: dict  # model_identity() of the base model: name, model_type, num_layers, fingerprint
+    block: str = "decoder"  # "decoder" (attention + MLP) or "attention" (attention only)
+    init: str = "next"  # how the block was initialised: next = target layer `layer`, copy = last layer, random
+    vocab_subset: list[int] | None = None  # token ids of a reduced draft vocabulary (most frequent first); None = all
+    training: dict = field(default_factory=dict)  # data, settings, metrics, learning curve
+    format: str = FORMAT
+
+    def validate(self) -> None:
+        if self.format != FORMAT:
+            raise AdapterError(f"adapter format {self.format!r} is not {FORMAT!r}")
+        if self.role not in ROLES:
+            raise AdapterError(f"adapter role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.block not in BLOCKS:
+            raise AdapterError(f"adapter block must be one of {', '.join(BLOCKS)}, got {self.block!r}")
+
+
+class _NoMLP(nn.Module):
+    """The MLP of an attention-only block: adds nothing to the residual stream."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(hidden)
+
+
+class Adapter(nn.Module):
+    """The adapter module. Its only parameters are the block's and the norm's; the target (rotary embedding,
+    lm_head, masks) is referenced, not registered, so ``adapter.parameters()`` is exactly what training updates.
+
+    ``cache_layer`` is the index of the adapter's own K/V in a `KVCache` made by
+    ``model.new_cache(extra_layers=...)``: cropping the target's cache crops the adapter's in the same step."""
+
+    def __init__(self, config: AdapterConfig, model: LayeredModel, cache_layer: int | None = None):
+        super().__init__()
+        config.validate()
+        if not 1 <= config.layer < model.num_layers:
+            raise AdapterError(f"adapter layer {config.layer} is outside [1, {model.num_layers}) for {model.name!r}")
+        self.config = config
+        self.__dict__["target"] = model  # not a submodule
+        self.cache_layer = model.num_layers if cache_layer is None else cache_layer
+        source = model.layers[model.num_layers - 1] if config.init == "copy" else model.layers[config.layer]
+        self.block = copy.deepcopy(source)
+        if config.init == "random":
+            self.block.apply(model.hf_model._init_weights)
+        self.block.self_attn.layer_idx = self.cache_layer  # its K/V go to the adapter's own cache layer
+        if config.block == "attention":
+            self.block.mlp = _NoMLP()
+        self.norm = copy.deepcopy(model.decoder.norm)
+        self.kind = model.layer_types[config.layer]  # attention kind (and rotary) of the layer it replaces
+        self.block.requires_grad_(True)
+        self.norm.requires_grad_(True)
+        subset = config.vocab_subset
+        self.register_buffer("vocab_ids", torch.tensor(subset, dtype=torch.long) if subset else None, persistent=False)
+        self._head_rows: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, hidden: torch.Tensor, cache: KVCache | None = None, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Block + norm on target states after layer L: ``[B, T, H] -> [B, T, H]``.
+
+        With a cache (decoding, B = 1) the T states are appended to the adapter's cache layer and attend to all
+        earlier ones. Without (training), ``attention_mask`` is a ready additive mask ``[B, 1, T, T]``."""
+        model = self.target
+        if cache is not None:
+            past = cache.length(self.cache_layer)
+            if position_ids is None:
+                position_ids = torch.arange(past, past + hidden.shape[1])
+            attention_mask = model.attention_mask(cache.positions(self.cache_layer), position_ids, None, self.kind)
+            positions = position_ids.to(hidden.device).unsqueeze(0)
+        else:
+            positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0).expand(hidden.shape[0], -1)
+        out = self.block(hidden, attention_mask=attention_mask, position_embeddings=model.rotary(hidden, positions, self.kind),
+                         position_ids=positions, cache=cache.hf_cache if cache is not None else None,
+                         use_cache=cache is not None)
+        out = out[0] if isinstance(out, tuple) else out
+        if cache is not None:
+            cache.record(self.cache_layer, self.cache_layer + 1, position_ids.cpu())
+        return self.norm(out)
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Logits over the adapter's vocabulary (``[..., V_d]``) through the target's lm_head rows."""
+        weight = self.target.hf_model.lm_head.weight
+        if self.vocab_ids is None:
+            return nn.functional.linear(normed, weight)
+        if self._head_rows is None or self._head_rows.dtype != weight.dtype or self.training:
+            # gathered once for decoding (|V_d| rows: the memory price of the reduced vocabulary); per call in training
+            rows = weight.index_select(0, self.vocab_ids.to(weight.device))
+            if self.training:
+                return nn.functional.linear(normed, rows)
+            self._head_rows = rows
+        return nn.functional.linear(normed, self._head_rows)
+
+    def token_ids(self, indices: torch.Tensor) -> torch.Tensor:
+        """Map indices into the adapter's vocabulary to token ids."""
+        return indices if self.vocab_ids is None else self.vocab_ids.to(indices.device)[indices]
+
+    # ------------------------------------------------------------------ files
+    def save(self, folder: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {name: tensor.detach().contiguous().cpu() for name, tensor in self.state_dict().items()}
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+        return folder
+
+
+def new_adapter(model: LayeredModel, role: str, layer: int, block: str = "decoder", init: str = "next",
+                vocab_subset: list[int] | None = None, cache_layer: int | None = None) -> Adapter:
+    """A fresh adapter for ``model`` (before training)."""
+    if init not in INITS:
+        raise AdapterError(f"adapter init must be one of {', '.join(INITS)}, got {init!r}")
+    config = AdapterConfig(role=role, layer=layer, architecture=model.config.model_type, base_model=model_identity(model),
+                           block=block, init=init, vocab_subset=vocab_subset)
+    return Adapter(config, model, cache_layer).to(model.dtype)
+
+
+def load_adapter(folder: str | Path, model: LayeredModel, role: str | None = None, layer: int | None = None,
+                 cache_layer: int | None = None) -> Adapter:
+    """Load an adapter folder onto ``model``; refuse one trained for another model, role or layer."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config_file, weights_file = folder / "config.json", folder / "model.safetensors"
+    for needed in (config_file, weights_file):
+        if not needed.is_file():
+            raise AdapterError(f"adapter folder {str(folder)!r} lacks {needed.name}; train one with `cats train adapter`")
+    try:
+        config = AdapterConfig(**json.loads(config_file.read_text()))
+    except (TypeError, ValueError) as error:
+        raise AdapterError(f"{config_file} is not a CATS adapter config: {error}") from None
+    config.validate()
+    base, here = config.base_model, model_identity(model)
+    if base.get("fingerprint") != here["fingerprint"]:
+        raise AdapterError(
+            f"adapter {str(folder)!r} was trained for model {base.get('name')!r} (fingerprint {base.get('fingerprint')}), "
+            f"not for {here['name']!r} (fingerprint {here['fingerprint']})"
+        )
+    if role is not None and config.role != role:
+        raise AdapterError(f"adapter {str(folder)!r} is a {config.role} adapter, not a {role} adapter")
+    if layer is not None and config.layer != layer:
+        raise AdapterError(f"adapter {str(folder)!r} was trained at layer {config.layer}, not at layer {layer}")
+    adapter = Adapter(config, model, cache_layer)
+    state = load_file(str(weights_file))
+    missing, unexpected = adapter.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise AdapterError(f"{weights_file} does not match the adapter's block: missing {missing}, unexpected {unexpected}")
+    return adapter.to(model.dtype).eval().requires_grad_(False)
+
+
+def find_adapter(folder: str | Path, role: str) -> Path:
+    """``DIR/<role>/`` when ``DIR`` holds per-role adapters (as ``adapters/<model>/``), else ``DIR`` itself."""
+    folder = Path(folder)
+    if (folder / role / "config.json").is_file():
+        return folder / role
+    if (folder / "config.json").is_file():
+        return folder
+    raise AdapterError(f"no {role} adapter in {str(folder)!r} (expected {folder / role / 'config.json'})")

@@ -1,0 +1,13 @@
+"""``cats train data`` (self-distillation data) and ``cats train adapter`` (adapter training)."""
+
+from __future__ import annotations
+
+
+def add_train_parser(commands) -> None:
+    from cats.train.data import add_data_parser
+    from cats.train.trainer import add_adapter_parser
+
+    train = commands.add_parser("train", help="make training data and train draft / shallow adapters")
+    steps = train.add_subparsers(dest="train_command", required=True)
+    add_data_parser(steps)
+    add_adapter_parser(steps)

@@ -1,0 +1,97 @@
+"""``cats train adapter``: training improves agreement, checkpoints resume, the result drafts losslessly."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+import cats
+from cats.draft import EarlyExitDrafter
+from cats.draft.adapter import load_adapter, new_adapter
+from cats.errors import InvalidArgumentError
+from cats.generate import GenerationConfig, Generator
+from cats.train.data import DataConfig, TrainingData, make_training_data
+from cats.train.trainer import TrainConfig, chain_accept_lengths, evaluate, make_batches, soft_cross_entropy, train_adapter
+from tests.conftest import STORIES_HF, needs
+
+pytestmark = needs(STORIES_HF)
+CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}\n{% endfor %}"
+PROMPTS = ["Lily saw a big red ball.", "Tom and his dog went to the park.", "The sun was hot.",
+           "A little bird could not fly.", "Sam had a toy car.", "Mom made a cake.", "The cat sat on a mat.",
+           "Ben found a shiny rock."]
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)
+    model = cats.load(STORIES_HF, dtype="float32")
+    model.tokenizer.chat_template = CHAT_TEMPLATE
+    return model
+
+
+@pytest.fixture(scope="module")
+def data(model, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("data")
+    prompts = folder / "prompts.json"
+    prompts.write_text(json.dumps([{"conversations": [{"from": "human", "value": p}]} for p in PROMPTS]))
+    make_training_data(model, DataConfig(prompts=prompts, out=folder / "data", layers=[1, 2], max_new_tokens=40,
+                                         samples_per_prompt=2, temperature=1.0, top_k=8, batch_size=4,
+                                         shard_prompts=4, progress=False))
+    return TrainingData.open(folder / "data", model=model)
+
+
+def test_hand_computed_metrics():
+    assert chain_accept_lengths([True, True, False, True, True, True], 3) == [2, 1, 0, 3]
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
+    ids, probs = torch.tensor([[0, 1, -1]]), torch.tensor([[0.6, 0.2, 0.2]])
+    expected = -(0.75 * torch.log(torch.tensor(0.5)) + 0.25 * torch.log(torch.tensor(0.25)))  # renormalised inside
+    assert torch.allclose(soft_cross_entropy(logits, ids, probs), expected)
+
+
+def test_batches_cover_every_sample_once(data):
+    batches = make_batches(data, 100, random.Random(0))
+    assert sorted(i for b in batches for i in b) == list(range(data.num_samples))
+    assert all(sum(data.sample_length(i) for i in b[:-1]) < 100 for b in batches)
+
+
+def test_training_improves_agreement_and_saves_a_lossless_adapter(model, data, tmp_path, capsys):
+    config = TrainConfig(role="draft", layer=1, out=tmp_path / "draft", epochs=30, lr=3e-3, batch_tokens=256,
+                         warmup_steps=5, position_fraction=1.0, draft_vocab=200, progress=False, checkpoint_every=0)
+    before = evaluate(new_adapter(model, "draft", 1, vocab_subset=None), data, 1, None, "cpu")
+    out = train_adapter(model, data, config, eval_data=data)
+    adapter = load_adapter(out, model, role="draft", layer=1)
+    training = adapter.config.training
+    assert len(adapter.config.vocab_subset) == 200
+    assert training["steps"] > 0 and training["learning_curve"] and training["train_tokens"] > 0
+    after = training["final_eval"]
+    assert after["agreement"] > before["agreement"] + 0.1, (before, after)  # it learns (here: fits its data)
+    assert after["expected_accepted_gamma6"] >= before["expected_accepted_gamma6"]
+    prompt = model.tokenizer("Once upon a time")["input_ids"]
+    expected = Generator(model).generate(prompt, GenerationConfig(max_new_tokens=40)).token_ids
+    drafter = EarlyExitDrafter(model, num_tokens=4, adapter=adapter, threshold=0.2)
+    assert Generator(model, drafter).generate(prompt, GenerationConfig(max_new_tokens=40)).token_ids == expected
+
+
+def test_checkpoints_resume(model, data, tmp_path, capsys):
+    settings = dict(role="shallow", layer=2, out=tmp_path / "shallow", epochs=5, batch_tokens=256, progress=False,
+                    checkpoint_every=2, block="attention")
+    train_adapter(model, data, TrainConfig(**settings, max_steps=4))
+    state = json.loads((tmp_path / "shallow" / "checkpoint" / "cats-state.json").read_text())
+    assert state["step"] == 4
+    train_adapter(model, data, TrainConfig(**settings, max_steps=6))
+    assert "resuming from step 4" in capsys.readouterr().out
+    assert load_adapter(tmp_path / "shallow", model).config.training["steps"] == 6
+    with pytest.raises(InvalidArgumentError, match="other settings"):
+        train_adapter(model, data, TrainConfig(**{**settings, "batch_tokens": 128}, max_steps=8))
+
+
+def test_bad_training_input(model, data, tmp_path):
+    with pytest.raises(InvalidArgumentError, match="not of layer 3"):
+        train_adapter(model, data, TrainConfig(role="draft", layer=3, out=tmp_path / "x"))
+    with pytest.raises(InvalidArgumentError, match=r"outside \[1, 5\)"):
+        train_adapter(model, data, TrainConfig(role="draft", layer=7, out=tmp_path / "x"))
+    with pytest.raises(InvalidArgumentError, match="draft-vocab"):
+        train_adapter(model, data, TrainConfig(role="draft", layer=1, out=tmp_path / "x", draft_vocab=10**6))
