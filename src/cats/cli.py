@@ -42,6 +42,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=integer, default=None, help="torch CPU threads")
 
 
+def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tree-topk", type=integer, default=4, help="tree: children per expanded node and nodes "
+                        "expanded per depth (1 = a chain)")
+    parser.add_argument("--total-tokens", type=integer, default=16, help="tree: nodes kept for verification")
+    parser.add_argument("--depth", type=integer, default=5, help="tree: maximum depth")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cats", description="CATS: lossless self-speculative decoding")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -51,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True, help="prompt text ('-' reads standard input)")
     gen.add_argument("--chat", action="store_true", help="apply the chat template (prompt = one user message)")
     gen.add_argument("--system", default=None, help="system message, with --chat")
-    gen.add_argument("--method", default="ar", help="ar (plain decoding), pld (prompt lookup), early-exit")
+    gen.add_argument("--method", default="ar", help="ar (plain decoding), pld (prompt lookup), early-exit (chain), "
+                     "tree (dynamic draft tree from the early exit)")
     gen.add_argument("--draft-layer", type=integer, default=None, help="early-exit layer L_d (default: depth/8)")
     gen.add_argument("--num-draft-tokens", "-k", type=integer, default=None,
                      help="tokens drafted per step (default: pld 10, early-exit 4)")
@@ -59,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--adapters", default=None, help="trained adapters folder (e.g. adapters/smollm2-135m-instruct); "
                      "early-exit then drafts through its draft adapter")
     gen.add_argument("--threshold", type=float, default=0.0,
-                     help="early-exit confidence stop: stop drafting below this draft probability")
+                     help="confidence stop: early-exit stops drafting below this draft probability, tree stops "
+                     "expanding below this cumulative path probability")
+    add_tree_arguments(gen)
     gen.add_argument("--max-new-tokens", type=integer, default=128)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
@@ -125,7 +135,8 @@ def run_generate(args) -> int:
     model = cats.load(args.model or default_model(), dtype=args.dtype)
     drafter = make_drafter(args.method, model, num_draft_tokens=args.num_draft_tokens,
                            draft_layer=args.draft_layer, max_ngram=args.max_ngram, adapters=args.adapters,
-                           threshold=args.threshold)
+                           threshold=args.threshold, tree_topk=args.tree_topk, total_tokens=args.total_tokens,
+                           depth=args.depth)
     prompt_ids = encode_prompt(model, prompt, chat=args.chat, system=args.system)
     streamer = TextStreamer(model.tokenizer) if model.tokenizer is not None else None
     result = Generator(model, drafter, method=args.method).generate(prompt_ids, config, on_tokens=streamer)

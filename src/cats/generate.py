@@ -97,8 +97,12 @@ class Generator:
             # 3. verify [x, d_1..d_k] with the full target in one forward; 4. accept
             verdict = self.acceptance.accept(proposal, score_proposal(state, proposal))
             # 5. roll back: keep x and the accepted drafts in every layer; the new token is pending
-            state.cache.crop(committed + 1 + verdict.num_accepted)
-            new_tokens = proposal.tokens[: verdict.num_accepted].tolist() + [verdict.next_token]
+            accepted = verdict.accepted
+            if accepted == list(range(len(accepted))):  # a prefix of the drafted order: cut the rest off
+                state.cache.crop(committed + 1 + len(accepted))
+            else:  # a tree path: move its slots into place behind x
+                state.cache.keep(torch.cat([torch.arange(committed + 1), committed + 1 + torch.tensor(accepted)]))
+            new_tokens = proposal.tokens[accepted].tolist() + [verdict.next_token]
             state.token_ids.extend(new_tokens)
             if self.drafter:
                 self.drafter.observe(proposal, verdict.num_accepted)

@@ -10,45 +10,55 @@ from dataclasses import dataclass
 import torch
 
 from cats.draft.base import DecodeState, Proposal
+from cats.tree import depths, greedy_path, verification_attend
 
 
 def score_proposal(state: DecodeState, proposal: Proposal) -> torch.Tensor:
-    """Target logits for ``[x, d_1..d_k]`` in one forward: ``[k+1, V]``; row i is p(. | prefix, d_1..d_i).
+    """Target logits for ``[x, d_1..d_k]`` in one forward: ``[k+1, V]``; row 0 is p(. | prefix, x), row i + 1 is
+    p(. | prefix, x, the path to node i). Trees use the tree attention mask and depth-based positions.
 
     Appends k+1 slots to every layer of the cache (the layers the drafter already ran keep theirs)."""
-    model = state.model
+    model, committed = state.model, state.committed_length
+    positions, attend = None, None
+    if proposal.is_tree:
+        positions = committed + torch.cat([torch.zeros(1, dtype=torch.long), depths(proposal.parents)])
+        attend = verification_attend(proposal.parents, committed)
+    start = proposal.hidden_layer if proposal.hidden is not None else 0
     if proposal.hidden is not None:
-        hidden = model.forward_layers(proposal.hidden, proposal.hidden_layer, model.num_layers, state.cache,
-                                      position_ids=_chain_positions(state, proposal))
+        hidden = proposal.hidden
     else:
-        tokens = torch.cat([torch.tensor([state.token_ids[-1]]), proposal.tokens])
-        hidden = model.forward_layers(model.embed(tokens), 0, model.num_layers, state.cache)
+        hidden = model.embed(torch.cat([torch.tensor([state.token_ids[-1]]), proposal.tokens]))
+    hidden = model.forward_layers(hidden, start, model.num_layers, state.cache, position_ids=positions, attend=attend)
     return model.head(hidden[0])
-
-
-def _chain_positions(state: DecodeState, proposal: Proposal) -> torch.Tensor:
-    return torch.arange(state.committed_length, state.committed_length + proposal.num_tokens + 1)
 
 
 @dataclass
 class Verdict:
     """What the target decided about one proposal."""
 
-    num_accepted: int  # drafted tokens kept, 0..k
+    accepted: list[int]  # indices of the drafted tokens kept, root to leaf (a chain: 0..n-1)
     next_token: int  # the target's own token after them (a correction, or the bonus token if all were kept)
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted)
 
 
 class GreedyAcceptance:
     """Keep the longest drafted prefix equal to the target's argmax, then the target's argmax after it.
 
     Worked example: drafts [5, 7, 9], target argmax per row [5, 7, 2, 4] -> accept 2 (5, 7), next token 2.
+    Trees: the longest root-to-node path whose tokens equal the target's argmax at their parents (`greedy_path`).
     The output is exactly what plain greedy decoding produces."""
 
     name = "greedy"
 
     def accept(self, proposal: Proposal, target_logits: torch.Tensor) -> Verdict:
         predicted = target_logits.argmax(dim=-1).cpu()  # [k+1]
+        if proposal.is_tree:
+            path = greedy_path(proposal.tokens, proposal.parents, predicted)
+            return Verdict(accepted=path, next_token=int(predicted[path[-1] + 1 if path else 0]))
         k = proposal.num_tokens
         matches = (predicted[:k] == proposal.tokens).to(torch.long)
         num_accepted = int(matches.cumprod(0).sum()) if k else 0
-        return Verdict(num_accepted=num_accepted, next_token=int(predicted[num_accepted]))
+        return Verdict(accepted=list(range(num_accepted)), next_token=int(predicted[num_accepted]))

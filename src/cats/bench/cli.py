@@ -15,7 +15,7 @@ def add_bench_parser(subparsers) -> None:
     from cats.bench.methods import known_methods
     from cats.bench.prompts import PROMPT_FORMATS
     from cats.bench.runner import TURN_MODES
-    from cats.cli import add_model_arguments, integer
+    from cats.cli import add_model_arguments, add_tree_arguments, integer
 
     bench = subparsers.add_parser(
         "bench", help="benchmark methods and baselines on Spec-Bench / MT-Bench questions",
@@ -49,6 +49,7 @@ def add_bench_parser(subparsers) -> None:
                        help="trained adapters folder (e.g. adapters/smollm2-135m-instruct): early-exit drafts through "
                             "its draft adapter")
     bench.add_argument("--threshold", type=float, default=0.0, help="early-exit confidence stop (CATS early-exit)")
+    add_tree_arguments(bench)
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(run=run_bench_command)
 
@@ -76,7 +77,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         threads=args.threads, turns=args.turns, prompt_format=args.prompt_format, limit=args.limit,
         per_category=args.per_category, warmup=args.warmup,
         settings=MethodSettings(num_draft_tokens=args.num_draft_tokens, draft_layer=args.draft_layer,
-                                max_ngram=args.max_ngram, adapters=args.adapters, threshold=args.threshold),
+                                max_ngram=args.max_ngram, adapters=args.adapters, threshold=args.threshold,
+                                tree_topk=args.tree_topk, total_tokens=args.total_tokens, depth=args.depth),
         progress=not args.no_progress,
     )
     summary = run_bench(config)

@@ -82,7 +82,10 @@ class MethodSettings:
     draft_layer: int | None = None
     max_ngram: int = 3
     adapters: str | None = None  # trained adapters folder: early-exit drafts through its draft adapter
-    threshold: float = 0.0  # early-exit confidence stop (CATS early-exit only)
+    threshold: float = 0.0  # early-exit / tree confidence stop (CATS methods only)
+    tree_topk: int = 4
+    total_tokens: int = 16
+    depth: int = 5
     threads: int = 1
 
 
@@ -117,7 +120,9 @@ class CatsMethod(BenchMethod):
         self.drafter = make_drafter(name, context.model, num_draft_tokens=settings.num_draft_tokens,
                                     draft_layer=settings.draft_layer, max_ngram=settings.max_ngram,
                                     **({"adapters": settings.adapters, "threshold": settings.threshold}
-                                       if name == "early-exit" else {}))
+                                       if name in ("early-exit", "tree") else {}),
+                                    tree_topk=settings.tree_topk, total_tokens=settings.total_tokens,
+                                    depth=settings.depth)
         self.generator = Generator(context.model, self.drafter, method=name)
 
     def generate(self, prompt_ids, max_new_tokens):

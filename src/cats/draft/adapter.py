@@ -91,17 +91,19 @@ class Adapter(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, hidden: torch.Tensor, cache: KVCache | None = None, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, attend: torch.Tensor | None = None) -> torch.Tensor:
         """Block + norm on target states after layer L: ``[B, T, H] -> [B, T, H]``.
 
         With a cache (decoding, B = 1) the T states are appended to the adapter's cache layer and attend to all
-        earlier ones. Without (training), ``attention_mask`` is a ready additive mask ``[B, 1, T, T]``."""
+        earlier slots (or, for tree nodes, to those ``attend`` ``[T, P+T]`` allows, as in
+        `LayeredModel.forward_layers`). Without (training), ``attention_mask`` is a ready additive mask
+        ``[B, 1, T, T]``."""
         model = self.target
         if cache is not None:
             past = cache.length(self.cache_layer)
             if position_ids is None:
                 position_ids = torch.arange(past, past + hidden.shape[1])
-            attention_mask = model.attention_mask(cache.positions(self.cache_layer), position_ids, None, self.kind)
+            attention_mask = model.attention_mask(cache.positions(self.cache_layer), position_ids, attend, self.kind)
             positions = position_ids.to(hidden.device).unsqueeze(0)
         else:
             positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0).expand(hidden.shape[0], -1)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cats.model import KVCache, LayeredModel
+from cats.tree import is_chain
 
 
 @dataclass
@@ -34,7 +35,8 @@ class DecodeState:
 class Proposal:
     """A chain of drafted tokens. Shapes: k = number of drafted tokens (0 allowed), V = vocabulary, H = hidden."""
 
-    tokens: torch.Tensor  # [k] drafted token ids d_1..d_k (long, CPU)
+    tokens: torch.Tensor  # [k] drafted token ids d_1..d_k (long, CPU); tree nodes in topological order
+    parents: torch.Tensor | None = None  # [k] parent node index of each token, -1 = child of x; None = a chain
     logits: torch.Tensor | None = None  # [k, V] draft logits behind each d_i (q); None for deterministic drafts
     hidden: torch.Tensor | None = None  # [1, k+1, H] states after layer `hidden_layer` for [x, d_1..d_k]
     hidden_layer: int = 0  # layers [0, hidden_layer) already ran on [x, d_1..d_k] (their K/V is cached)
@@ -43,6 +45,10 @@ class Proposal:
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.numel())
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None and not is_chain(self.parents)
 
     @staticmethod
     def empty() -> "Proposal":
@@ -54,9 +60,10 @@ class Drafter(ABC):
 
     Cache contract of `propose`: on return, either
       * every layer still holds exactly ``state.committed_length`` slots and ``proposal.hidden`` is None, or
-      * layers ``[0, proposal.hidden_layer)`` hold ``committed_length + k + 1`` slots, for ``[x, d_1..d_k]`` at
-        positions ``committed_length ..``, and ``proposal.hidden`` holds those tokens' states after that layer;
-        all other layers are untouched. The verifier then runs only the remaining layers.
+      * layers ``[0, proposal.hidden_layer)`` (and the drafter's own extra cache layers) hold
+        ``committed_length + k + 1`` slots, for ``[x, d_1..d_k]`` in that order at their chain or tree positions
+        (``committed_length`` + depth), and ``proposal.hidden`` holds those tokens' states after that layer;
+        all other target layers are untouched. The verifier then runs only the remaining layers.
     """
 
     name: str = "drafter"

@@ -65,16 +65,22 @@ class EarlyExitDrafter(Drafter):
 
     def _draft_logits(self, hidden: torch.Tensor, state: DecodeState) -> torch.Tensor:
         """Full-vocabulary logits ``[V]`` of the draft for the last position of ``hidden`` (``[1, 1, H]``)."""
+        return self.node_logits(hidden, state.cache)[-1]
+
+    def node_logits(self, hidden: torch.Tensor, cache, position_ids: torch.Tensor | None = None,
+                    attend: torch.Tensor | None = None) -> torch.Tensor:
+        """Full-vocabulary draft logits ``[T, V]`` for T tokens whose layer-L states are ``hidden`` (``[1, T, H]``);
+        the adapter (if any) appends their slots to its cache layer, with the same positions and visibility."""
         if self.adapter is None:
-            return self.model.head(hidden[0, -1])
-        return self._adapter_logits(self.adapter(hidden, state.cache)[0, -1])
+            return self.model.head(hidden[0])
+        return self._adapter_logits(self.adapter(hidden, cache, position_ids, attend=attend)[0])
 
     def _adapter_logits(self, normed: torch.Tensor) -> torch.Tensor:
         logits = self.adapter.logits(normed)
         if self.adapter.vocab_ids is None:
             return logits
-        full = logits.new_full((self.model.vocab_size,), float("-inf"))  # q is zero outside the draft vocabulary
-        return full.index_copy_(0, self.adapter.vocab_ids, logits)
+        full = logits.new_full((*logits.shape[:-1], self.model.vocab_size), float("-inf"))  # q = 0 outside it
+        return full.index_copy_(-1, self.adapter.vocab_ids, logits)
 
     def propose(self, state: DecodeState, max_tokens: int) -> Proposal:
         count = min(self.num_tokens, max_tokens)

@@ -1,0 +1,138 @@
+"""Dynamic draft trees from an early-exit draft (the target's first L_d layers + a draft adapter or the target's
+own head), grown as in EAGLE-2: per depth, expand the ``tree_topk`` nodes with the highest cumulative draft
+log-probability (each gets its ``tree_topk`` most likely children), then keep the ``total_tokens`` best of all
+drafted nodes as the tree to verify. Chain mode is ``tree_topk=1``.
+
+Cache bookkeeping (the `Drafter` contract, trees included): expanded nodes run through layers ``[0, L_d)`` (and the
+adapter) while drafting, so their K/V stay cached; after reranking, the slots of expanded nodes that did not make
+the tree are dropped, and the selected leaves that were never expanded run through ``[0, L_d)`` once. Each layer
+therefore runs exactly once per verified node, and the verifier continues at layer L_d.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from cats.draft.adapter import Adapter
+from cats.draft.base import DecodeState, Proposal
+from cats.draft.early_exit import EarlyExitDrafter
+from cats.errors import InvalidArgumentError
+from cats.model import LayeredModel
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int  # pool index of the parent node, -1 = x
+    depth: int
+    score: float  # cumulative draft log-probability of the path from x to this node
+    parent_row: int  # row of the draft-logits table holding the distribution this node was drawn from
+    slot: int | None = None  # cache slot once the node ran through the draft layers (it was expanded)
+    hidden: torch.Tensor | None = None  # [H] its state after layer L_d, once computed
+
+
+class TreeDrafter(EarlyExitDrafter):
+    """Draft a token tree.
+
+    Args:
+        tree_topk: children per expanded node, and nodes expanded per depth.
+        total_tokens: nodes kept for verification (the best by cumulative draft log-probability).
+        depth: maximum depth of the tree (longest path, in tokens).
+        threshold: stop expanding when the best frontier node's cumulative draft probability falls below it.
+    Other arguments as for `EarlyExitDrafter`.
+    """
+
+    name = "tree"
+
+    def __init__(self, model: LayeredModel, layer: int | None = None, adapter: Adapter | None = None,
+                 tree_topk: int = 4, total_tokens: int = 16, depth: int = 5, threshold: float = 0.0):
+        super().__init__(model, layer=layer, num_tokens=depth, adapter=adapter, threshold=threshold)
+        if tree_topk < 1 or total_tokens < 1 or depth < 1:
+            raise InvalidArgumentError(f"tree_topk, total_tokens and depth must be >= 1, got {tree_topk}, "
+                                       f"{total_tokens}, {depth}")
+        self.tree_topk, self.total_tokens, self.depth = tree_topk, total_tokens, depth
+
+    def _layers_with_draft_state(self) -> list[int]:
+        layers = list(range(self.layer))
+        return layers + ([self.adapter.cache_layer] if self.adapter is not None else [])
+
+    def _run_nodes(self, nodes: list[_Node], indices: list[int], state: DecodeState, root_slot: int) -> torch.Tensor:
+        """Run the draft layers (and the adapter) on pool nodes ``indices`` at once; record slots and states; return
+        their full-vocabulary draft logits ``[m, V]``."""
+        model, cache = self.model, state.cache
+        past, committed = cache.length(0), state.committed_length
+        attend = torch.zeros(len(indices), past + len(indices), dtype=torch.bool)
+        attend[:, : committed] = True
+        attend[:, root_slot] = True
+        for row, index in enumerate(indices):
+            attend[row, past + row] = True
+            parent = nodes[index].parent
+            while parent >= 0:
+                attend[row, nodes[parent].slot] = True
+                parent = nodes[parent].parent
+        positions = torch.tensor([committed + nodes[i].depth for i in indices])
+        tokens = torch.tensor([nodes[i].token for i in indices])
+        hidden = model.forward_layers(model.embed(tokens), 0, self.layer, cache, position_ids=positions, attend=attend)
+        for row, index in enumerate(indices):
+            nodes[index].slot, nodes[index].hidden = past + row, hidden[0, row]
+        return self.node_logits(hidden, cache, positions, attend)
+
+    def propose(self, state: DecodeState, max_tokens: int) -> Proposal:
+        max_depth = min(self.depth, max_tokens)
+        if max_depth <= 0:
+            return Proposal.empty()
+        model, cache, committed = self.model, state.cache, state.committed_length
+        # depth 0: x itself
+        root = model.forward_layers(model.embed(torch.tensor([state.token_ids[-1]])), 0, self.layer, cache)
+        tables = [self.node_logits(root, cache)]  # draft logits of expanded nodes, one row each; row 0 = x
+        nodes: list[_Node] = []
+        frontier = self._children(nodes, tables[0][0], parent=-1, parent_score=0.0, depth=1, parent_row=0)
+        for depth in range(1, max_depth):
+            frontier = sorted(frontier, key=lambda i: (-nodes[i].score, i))[: self.tree_topk]
+            if self.threshold and math.exp(nodes[frontier[0]].score) < self.threshold:
+                break
+            logits = self._run_nodes(nodes, frontier, state, root_slot=committed)
+            first_row = sum(t.shape[0] for t in tables)
+            tables.append(logits)
+            frontier = [child for row, index in enumerate(frontier)
+                        for child in self._children(nodes, logits[row], index, nodes[index].score, depth + 1, first_row + row)]
+        # rerank: the best `total_tokens` nodes (a child never outscores its parent, so the set is ancestor-closed)
+        chosen = sorted(sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))[: self.total_tokens])
+        expanded = sorted((i for i in chosen if nodes[i].slot is not None), key=lambda i: nodes[i].slot)
+        leaves = [i for i in chosen if nodes[i].slot is None]
+        keep = torch.cat([torch.arange(committed + 1), torch.tensor([nodes[i].slot for i in expanded], dtype=torch.long)])
+        cache.keep(keep, layers=self._layers_with_draft_state())
+        for new_slot, index in enumerate(expanded):
+            nodes[index].slot = committed + 1 + new_slot
+        if leaves:
+            self._run_nodes(nodes, leaves, state, root_slot=committed)
+        order = expanded + leaves  # parents precede children: leaves hang below expanded nodes
+        position = {index: i for i, index in enumerate(order)}
+        table = torch.cat(tables)
+        return Proposal(
+            tokens=torch.tensor([nodes[i].token for i in order], dtype=torch.long),
+            parents=torch.tensor([position[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in order]),
+            logits=table[torch.tensor([nodes[i].parent_row for i in order])],
+            hidden=torch.cat([root, torch.stack([nodes[i].hidden for i in order])[None]], dim=1),
+            hidden_layer=self.layer,
+        )
+
+    def _children(self, nodes: list[_Node], logits: torch.Tensor, parent: int, parent_score: float, depth: int,
+                  parent_row: int) -> list[int]:
+        """Add the ``tree_topk`` most likely children of a node to the pool; return their pool indices."""
+        log_probs = torch.log_softmax(logits.float(), -1)
+        top = log_probs.topk(min(self.tree_topk, int(torch.isfinite(log_probs).sum())))
+        added = []
+        for log_prob, token in zip(top.values.tolist(), top.indices.tolist()):
+            nodes.append(_Node(token, parent, depth, parent_score + log_prob, parent_row))
+            added.append(len(nodes) - 1)
+        return added
+
+    def describe(self) -> dict:
+        info = super().describe()
+        info.update(name=self.name, tree_topk=self.tree_topk, total_tokens=self.total_tokens, depth=self.depth)
+        info.pop("num_tokens", None)
+        return info

@@ -1,0 +1,70 @@
+"""Token trees: nodes in topological order, each with a parent, verified in one forward.
+
+Indexing used throughout: the verification input is ``[x, n_0, n_1, ..]`` where ``x`` is the pending token (the
+root) and ``n_i`` are drafted nodes; ``parents[i]`` is the index of ``n_i``'s parent node, ``-1`` for children of
+``x``. A chain of k tokens is ``parents = [-1, 0, 1, .., k-2]``.
+
+Worked example: parents ``[-1, -1, 0, 2]`` is the tree x -> {n0, n1}, n0 -> n2 -> n3; depths ``[1, 1, 2, 3]``;
+``ancestors(parents)`` row 3 (n3) is ``[1, 0, 1, 1]`` (n0, n2 and itself).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def chain_parents(length: int) -> torch.Tensor:
+    return torch.arange(-1, length - 1, dtype=torch.long)
+
+
+def depths(parents: torch.Tensor) -> torch.Tensor:
+    """Depth of every node (children of x have depth 1): ``[k]``."""
+    result: list[int] = []
+    for parent in parents.tolist():
+        if parent >= len(result):
+            raise ValueError(f"parents {parents.tolist()} are not in topological order")
+        result.append(1 if parent < 0 else result[parent] + 1)
+    return torch.tensor(result, dtype=torch.long)
+
+
+def ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """``[k, k]`` bool: entry (i, j) is True when node j is node i or one of its ancestors (x excluded)."""
+    count = parents.numel()
+    matrix = torch.eye(count, dtype=torch.bool)
+    for i, parent in enumerate(parents.tolist()):
+        if parent >= 0:
+            matrix[i] |= matrix[parent]
+    return matrix
+
+
+def verification_attend(parents: torch.Tensor, past: int) -> torch.Tensor:
+    """``[k+1, past+k+1]`` visibility for verifying ``[x, nodes]`` after ``past`` cached slots: every token sees the
+    whole prefix, x sees itself, a node sees x, its ancestors and itself."""
+    count = parents.numel()
+    tree = torch.zeros(count + 1, count + 1, dtype=torch.bool)
+    tree[:, 0] = True
+    tree[1:, 1:] = ancestors(parents)
+    return torch.cat([torch.ones(count + 1, past, dtype=torch.bool), tree], dim=1)
+
+
+def is_chain(parents: torch.Tensor) -> bool:
+    return bool(torch.equal(parents, chain_parents(parents.numel())))
+
+
+def greedy_path(tokens: torch.Tensor, parents: torch.Tensor, target_choice: torch.Tensor) -> list[int]:
+    """The longest root-to-node path whose every token equals the target's choice at its parent.
+
+    ``target_choice[0]`` is the target's token after x, ``target_choice[i + 1]`` after node i. Siblings carry
+    distinct tokens, so at most one child can match. Returns node indices from the root down."""
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents.tolist()):
+        children.setdefault(parent, []).append(node)
+    path, current = [], -1
+    token_list = tokens.tolist()
+    while True:
+        wanted = int(target_choice[current + 1])
+        match = next((c for c in children.get(current, []) if token_list[c] == wanted), None)
+        if match is None:
+            return path
+        path.append(match)
+        current = match
