@@ -69,6 +69,9 @@ def test_training_improves_agreement_and_saves_a_lossless_adapter(model, data, t
     after = training["final_eval"]
     assert after["agreement"] > before["agreement"] + 0.1, (before, after)  # it learns (here: fits its data)
     assert after["expected_accepted_gamma6"] >= before["expected_accepted_gamma6"]
+    card = (out / "README.md").read_text()
+    assert "draft adapter, layer 1" in card and f"| {after['agreement']:.3f} |" in card
+    assert (out / "learning_curve.png").stat().st_size > 0
     prompt = model.tokenizer("Once upon a time")["input_ids"]
     expected = Generator(model).generate(prompt, GenerationConfig(max_new_tokens=40)).token_ids
     drafter = EarlyExitDrafter(model, num_tokens=4, adapter=adapter, threshold=0.2)

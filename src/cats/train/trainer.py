@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import math
 import random
 import time
@@ -32,6 +33,7 @@ import torch
 from cats.draft.adapter import BLOCKS, INITS, ROLES, Adapter, new_adapter
 from cats.errors import InvalidArgumentError
 from cats.model import LayeredModel
+from cats.train.card import write_model_card
 from cats.train.data import TrainingData
 
 GAMMA = 6
@@ -58,6 +60,7 @@ class TrainConfig:
     seed: int = 0
     tensorboard: bool = False
     progress: bool = True
+    command: str | None = None  # the command line that started the run, for the model card
 
     def validate(self, model: LayeredModel, data: TrainingData) -> None:
         if self.role not in ROLES:
@@ -291,8 +294,10 @@ def train_adapter(model: LayeredModel, data: TrainingData, config: TrainConfig, 
             "steps": state["step"], "train_tokens": state["train_tokens"], "wall_s": round(state["wall_s"], 1),
             "processes": accelerator.num_processes,
             "final_eval": state["curve"][-1] if state["curve"] else None, "learning_curve": state["curve"],
+            "command": config.command,
         }
         final.save(out)
+        write_model_card(out)
     if config.tensorboard:
         accelerator.end_training()
     return out
@@ -312,7 +317,7 @@ def _record_eval(state, adapter, eval_data, config, vocab_index, device, acceler
 
 def _checkpoint_settings(config: TrainConfig, data: TrainingData) -> dict:
     settings = {k: v for k, v in asdict(config).items() if k not in ("out", "progress", "tensorboard", "eval_every",
-                                                                      "checkpoint_every", "max_steps")}
+                                                                      "checkpoint_every", "max_steps", "command")}
     settings["data_fingerprint"] = data.meta["model"]["fingerprint"]
     settings["data_samples"] = data.num_samples
     return settings
@@ -392,7 +397,7 @@ def run_adapter_command(args: argparse.Namespace) -> int:
         warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, position_fraction=args.position_fraction,
         init=args.init, block=args.block, draft_vocab=args.draft_vocab, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, max_steps=args.max_steps, seed=args.seed,
-        tensorboard=args.tensorboard, progress=not args.no_progress,
+        tensorboard=args.tensorboard, progress=not args.no_progress, command="cats " + " ".join(sys.argv[1:]),
     )
     out = train_adapter(model, data, config, eval_data)
     print(f"wrote adapter {out}")
