@@ -43,10 +43,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tree-topk", type=integer, default=4, help="tree: children per expanded node and nodes "
-                        "expanded per depth (1 = a chain)")
-    parser.add_argument("--total-tokens", type=integer, default=16, help="tree: nodes kept for verification")
-    parser.add_argument("--depth", type=integer, default=5, help="tree: maximum depth")
+    parser.add_argument("--tree-topk", type=integer, default=4, help="tree/cats: children per expanded node and "
+                        "nodes expanded per depth (1 = a chain)")
+    parser.add_argument("--total-tokens", type=integer, default=16, help="tree/cats: nodes kept for verification")
+    parser.add_argument("--depth", type=integer, default=5, help="tree/cats: maximum depth")
+    parser.add_argument("--sv-threshold", type=float, default=0.05,
+                        help="cats: the shallow verifier prunes nodes it gives a probability below this")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the chat template (prompt = one user message)")
     gen.add_argument("--system", default=None, help="system message, with --chat")
     gen.add_argument("--method", default="ar", help="ar (plain decoding), pld (prompt lookup), early-exit (chain), "
-                     "tree (dynamic draft tree from the early exit)")
+                     "tree (dynamic draft tree from the early exit), cats (draft adapter + tree + shallow-verifier "
+                     "cascade; needs --adapters), cats-no-shallow")
+    gen.add_argument("--no-shallow", action="store_true", help="with --method cats: no shallow-verifier cascade")
     gen.add_argument("--draft-layer", type=integer, default=None, help="early-exit layer L_d (default: depth/8)")
     gen.add_argument("--num-draft-tokens", "-k", type=integer, default=None,
                      help="tokens drafted per step (default: pld 10, early-exit 4)")
@@ -125,6 +129,7 @@ class TextStreamer:
 
 def run_generate(args) -> int:
     import cats
+    from cats.cascade import make_scorer
     from cats.draft import check_method, make_drafter
     from cats.generate import GenerationConfig, Generator, encode_prompt
 
@@ -132,6 +137,10 @@ def run_generate(args) -> int:
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     config.validate()  # fail on bad arguments before the model loads
     check_method(args.method)
+    if args.no_shallow:
+        if args.method != "cats":
+            raise InvalidArgumentError("--no-shallow applies to --method cats only")
+        args.method = "cats-no-shallow"
     model = cats.load(args.model or default_model(), dtype=args.dtype)
     drafter = make_drafter(args.method, model, num_draft_tokens=args.num_draft_tokens,
                            draft_layer=args.draft_layer, max_ngram=args.max_ngram, adapters=args.adapters,
@@ -139,7 +148,9 @@ def run_generate(args) -> int:
                            depth=args.depth)
     prompt_ids = encode_prompt(model, prompt, chat=args.chat, system=args.system)
     streamer = TextStreamer(model.tokenizer) if model.tokenizer is not None else None
-    result = Generator(model, drafter, method=args.method).generate(prompt_ids, config, on_tokens=streamer)
+    scorer = make_scorer(args.method, model, drafter, args.adapters, args.sv_threshold)
+    generator = Generator(model, drafter, method=args.method, scorer=scorer)
+    result = generator.generate(prompt_ids, config, on_tokens=streamer)
     if streamer is not None:
         streamer.finish()
     if args.stats:

@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cats.cascade import make_scorer
 from cats.draft import DecodeState, Drafter, Proposal, make_drafter
 from cats.errors import InvalidArgumentError, PromptTooLongError
 from cats.model import LayeredModel
 from cats.stats import GenerationStats
-from cats.verify import GreedyAcceptance, score_proposal
+from cats.verify import GreedyAcceptance, TargetScorer
 
 
 @dataclass
@@ -52,9 +53,11 @@ class GenerationResult:
 class Generator:
     """Decodes one sequence at a time with an optional drafter (``None``: plain autoregressive decoding)."""
 
-    def __init__(self, model: LayeredModel, drafter: Drafter | None = None, acceptance=None, method: str | None = None):
+    def __init__(self, model: LayeredModel, drafter: Drafter | None = None, acceptance=None, method: str | None = None,
+                 scorer=None):
         self.model = model
         self.drafter = drafter
+        self.scorer = scorer or TargetScorer()
         self.acceptance = acceptance or GreedyAcceptance()
         self.method = method or (drafter.name if drafter else "ar")
 
@@ -76,7 +79,7 @@ class Generator:
         start = time.perf_counter()
 
         # 1. prefill: the whole prompt in one forward; its last row gives the first new token (pending, uncached)
-        cache = model.new_cache(extra_layers=self.drafter.cache_layers if self.drafter else 0)
+        cache = model.new_cache(extra_layers=(self.drafter.cache_layers if self.drafter else 0) + self.scorer.cache_layers)
         state = DecodeState(model, cache, list(prompt_ids), len(prompt_ids))
         first = self._prefill(state)
         state.token_ids.append(first)
@@ -94,15 +97,17 @@ class Generator:
             tick = time.perf_counter()
             proposal = self.drafter.propose(state, budget) if self.drafter and budget > 0 else Proposal.empty()
             tock = time.perf_counter()
-            # 3. verify [x, d_1..d_k] with the full target in one forward; 4. accept
-            verdict = self.acceptance.accept(proposal, score_proposal(state, proposal))
+            # 3. verify [x, d_1..d_k] with the full target in one forward (the cascade may prune and extend it first)
+            verified, target_logits = self.scorer.score(state, proposal)
+            # 4. accept
+            verdict = self.acceptance.accept(verified, target_logits)
             # 5. roll back: keep x and the accepted drafts in every layer; the new token is pending
             accepted = verdict.accepted
             if accepted == list(range(len(accepted))):  # a prefix of the drafted order: cut the rest off
                 state.cache.crop(committed + 1 + len(accepted))
             else:  # a tree path: move its slots into place behind x
                 state.cache.keep(torch.cat([torch.arange(committed + 1), committed + 1 + torch.tensor(accepted)]))
-            new_tokens = proposal.tokens[accepted].tolist() + [verdict.next_token]
+            new_tokens = verified.tokens[accepted].tolist() + [verdict.next_token]
             state.token_ids.extend(new_tokens)
             if self.drafter:
                 self.drafter.observe(proposal, verdict.num_accepted)
@@ -115,18 +120,22 @@ class Generator:
             stats.accept_lengths.append(len(chunk))
             yield chunk
         stats.stop_reason = reason
+        stats.shallow = self.scorer.counters()
         stats.wall_s = time.perf_counter() - start
 
     def _prefill(self, state: DecodeState) -> int:
         """Run the prompt through all layers (stopping at the layers whose states the drafter wants) and return
         the target's first new token; the lm_head runs on the last position only."""
-        model, wanted = self.model, sorted(self.drafter.prefill_layers) if self.drafter else []
+        model = self.model
+        components = ([self.drafter] if self.drafter else []) + [self.scorer]
+        wanted = sorted({layer for component in components for layer in component.prefill_layers})
         hidden, start, captured = model.embed(torch.tensor(state.token_ids)), 0, {}
         for stop in wanted + [model.num_layers]:
             hidden = model.forward_layers(hidden, start, stop, state.cache)
             captured[stop], start = hidden, stop
-        if wanted:
-            self.drafter.prefill(state, captured)
+        for component in components:
+            if component.prefill_layers:
+                component.prefill(state, captured)
         return int(model.head(hidden[0, -1]).argmax())
 
     def _commit(self, tokens, stats, eos, config, stop_check) -> tuple[list[int], str]:
@@ -209,6 +218,10 @@ def generate(
     max_ngram: int = 3,
     adapters: str | None = None,
     threshold: float = 0.0,
+    tree_topk: int = 4,
+    total_tokens: int = 16,
+    depth: int = 5,
+    sv_threshold: float = 0.05,
     chat: bool = False,
     stop: Sequence[str] = (),
     eos_token_ids: set[int] | None = None,
@@ -216,7 +229,8 @@ def generate(
     on_tokens: Callable[[list[int]], None] | None = None,
     dtype: str = "float32",
 ) -> GenerationResult:
-    """Generate from ``prompt`` with ``method`` (``ar``, ``pld``, ``early-exit``) or a ready ``drafter``.
+    """Generate from ``prompt`` with ``method`` (``ar``, ``pld``, ``early-exit``, ``tree``, ``cats``,
+    ``cats-no-shallow``) or a ready ``drafter``.
 
     ``model`` is a `LayeredModel` or anything `cats.load` accepts (then loaded with ``dtype``)."""
     if isinstance(model, str):
@@ -225,9 +239,11 @@ def generate(
         model = load_model(model, dtype=dtype)
     if drafter is None:
         drafter = make_drafter(method, model, num_draft_tokens=num_draft_tokens, draft_layer=draft_layer,
-                               max_ngram=max_ngram, adapters=adapters, threshold=threshold)
+                               max_ngram=max_ngram, adapters=adapters, threshold=threshold, tree_topk=tree_topk,
+                               total_tokens=total_tokens, depth=depth)
     else:
         method = drafter.name
+    scorer = make_scorer(method, model, drafter, adapters, sv_threshold)
     config = GenerationConfig(max_new_tokens=max_new_tokens, stop=stop, eos_token_ids=eos_token_ids, ignore_eos=ignore_eos)
     prompt_ids = encode_prompt(model, prompt, chat=chat)
-    return Generator(model, drafter, method=method).generate(prompt_ids, config, on_tokens=on_tokens)
+    return Generator(model, drafter, method=method, scorer=scorer).generate(prompt_ids, config, on_tokens=on_tokens)

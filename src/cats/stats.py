@@ -20,6 +20,7 @@ class GenerationStats:
     verify_s: float = 0.0
     wall_s: float = 0.0
     stop_reason: str = ""
+    shallow: dict | None = None  # the cascade's shallow-verifier counters (see cats.cascade), when it ran
 
     @property
     def decode_steps(self) -> int:
@@ -55,4 +56,7 @@ class GenerationStats:
             f"({self.tokens_per_s:.1f} tok/s), {self.target_forwards} target forwards, "
             f"mean accepted {self.mean_accepted:.2f}, draft acceptance {self.acceptance_rate:.1%} "
             f"({self.accepted_draft_tokens}/{self.drafted_tokens}), stop: {self.stop_reason}"
+            + (f"; shallow verifier: kept {self.shallow['keep_rate']:.1%} of drafted nodes, precision "
+               f"{self.shallow['precision']:.2f}, recall {self.shallow['recall']:.2f}, "
+               f"{self.shallow['nodes_corrected']} corrections" if self.shallow else "")
         )

@@ -32,6 +32,25 @@ def score_proposal(state: DecodeState, proposal: Proposal) -> torch.Tensor:
     return model.head(hidden[0])
 
 
+class TargetScorer:
+    """Scores a proposal with the full target in one forward (`score_proposal`); the proposal is unchanged."""
+
+    name = "target"
+    cache_layers = 0  # extra KV-cache layers of its own (the cascade's shallow adapter has one)
+    prefill_layers: tuple[int, ...] = ()
+
+    def prefill(self, state: DecodeState, hidden: dict[int, torch.Tensor]) -> None:
+        """Called once after the prompt ran, with its states after each of ``prefill_layers``."""
+
+    def score(self, state: DecodeState, proposal: Proposal) -> tuple[Proposal, torch.Tensor]:
+        """The proposal as verified, and the target's logits ``[k+1, V]`` for ``[x, its tokens]``."""
+        return proposal, score_proposal(state, proposal)
+
+    def counters(self) -> dict | None:
+        """Per-generation counters to report (None: nothing to report)."""
+        return None
+
+
 @dataclass
 class Verdict:
     """What the target decided about one proposal."""

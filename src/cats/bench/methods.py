@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from cats.draft import METHODS as CATS_METHODS
+from cats.cascade import make_scorer
 from cats.draft import default_draft_layer, make_drafter
 from cats.errors import CatsError, InvalidArgumentError, UnknownMethodError
 from cats.generate import GenerationConfig, Generator
@@ -86,6 +87,7 @@ class MethodSettings:
     tree_topk: int = 4
     total_tokens: int = 16
     depth: int = 5
+    sv_threshold: float = 0.05  # the cascade's pruning threshold (method cats)
     threads: int = 1
 
 
@@ -120,17 +122,21 @@ class CatsMethod(BenchMethod):
         self.drafter = make_drafter(name, context.model, num_draft_tokens=settings.num_draft_tokens,
                                     draft_layer=settings.draft_layer, max_ngram=settings.max_ngram,
                                     **({"adapters": settings.adapters, "threshold": settings.threshold}
-                                       if name in ("early-exit", "tree") else {}),
+                                       if name not in ("ar", "pld") else {}),
                                     tree_topk=settings.tree_topk, total_tokens=settings.total_tokens,
                                     depth=settings.depth)
-        self.generator = Generator(context.model, self.drafter, method=name)
+        self.scorer = make_scorer(name, context.model, self.drafter, settings.adapters, settings.sv_threshold)
+        self.generator = Generator(context.model, self.drafter, method=name, scorer=self.scorer)
 
     def generate(self, prompt_ids, max_new_tokens):
         result = self.generator.generate(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens))
         return TurnResult(result.token_ids, list(result.stats.accept_lengths), result.stats.target_forwards)
 
     def describe(self):
-        return self.drafter.describe() if self.drafter is not None else {"name": self.name}
+        info = self.drafter.describe() if self.drafter is not None else {"name": self.name}
+        if hasattr(self.scorer, "describe"):
+            info["cascade"] = self.scorer.describe()
+        return info
 
 
 class _ChunkRecorder:

@@ -9,7 +9,8 @@ from cats.draft.tree_draft import TreeDrafter
 from cats.errors import InvalidArgumentError, UnknownMethodError
 from cats.model import LayeredModel
 
-METHODS = ("ar", "pld", "early-exit", "tree")
+METHODS = ("ar", "pld", "early-exit", "tree", "cats", "cats-no-shallow")
+# cats = draft adapter + dynamic tree + shallow-verifier cascade; cats-no-shallow ablates the cascade
 
 
 def _draft_adapter(adapters: str | None, model: LayeredModel):
@@ -45,7 +46,10 @@ def make_drafter(
     trees then draft through the draft adapter at its own layer. ``threshold``: their confidence stop.
     ``tree_topk``, ``total_tokens``, ``depth``: the shape of dynamic draft trees (method ``tree``)."""
     check_method(method)
-    if method not in ("early-exit", "tree") and (adapters is not None or threshold):
+    if method in ("cats", "cats-no-shallow") and adapters is None:
+        raise InvalidArgumentError(f"method {method!r} needs --adapters DIR holding trained draft/ and shallow/ adapters "
+                                   "(cats train adapter); without adapters use tree or early-exit")
+    if method in ("ar", "pld") and (adapters is not None or threshold):
         raise InvalidArgumentError(f"--adapters and --threshold apply to early-exit and tree drafting, not to {method!r}")
     if method == "ar":
         return None
@@ -54,7 +58,7 @@ def make_drafter(
     if method == "early-exit":
         return EarlyExitDrafter(model, layer=draft_layer, num_tokens=num_draft_tokens or 4,
                                 adapter=_draft_adapter(adapters, model), threshold=threshold)
-    if method == "tree":
+    if method in ("tree", "cats", "cats-no-shallow"):
         return TreeDrafter(model, layer=draft_layer, adapter=_draft_adapter(adapters, model), tree_topk=tree_topk,
                            total_tokens=total_tokens, depth=depth, threshold=threshold)
     raise AssertionError(f"method {method!r} is listed in METHODS but has no drafter")

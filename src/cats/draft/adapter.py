@@ -73,12 +73,12 @@ class Adapter(nn.Module):
             raise AdapterError(f"adapter layer {config.layer} is outside [1, {model.num_layers}) for {model.name!r}")
         self.config = config
         self.__dict__["target"] = model  # not a submodule
-        self.cache_layer = model.num_layers if cache_layer is None else cache_layer
+        self._cache_layer = model.num_layers if cache_layer is None else cache_layer
         source = model.layers[model.num_layers - 1] if config.init == "copy" else model.layers[config.layer]
         self.block = copy.deepcopy(source)
         if config.init == "random":
             self.block.apply(model.hf_model._init_weights)
-        self.block.self_attn.layer_idx = self.cache_layer  # its K/V go to the adapter's own cache layer
+        self.cache_layer = self.cache_layer  # its K/V go to the adapter's own cache layer (see the property)
         if config.block == "attention":
             self.block.mlp = _NoMLP()
         self.norm = copy.deepcopy(model.decoder.norm)
@@ -88,6 +88,16 @@ class Adapter(nn.Module):
         subset = config.vocab_subset
         self.register_buffer("vocab_ids", torch.tensor(subset, dtype=torch.long) if subset else None, persistent=False)
         self._head_rows: torch.Tensor | None = None
+
+    @property
+    def cache_layer(self) -> int:
+        """Index of the adapter's own layer in the `KVCache` (the target's layers come first)."""
+        return self._cache_layer
+
+    @cache_layer.setter
+    def cache_layer(self, index: int) -> None:
+        self._cache_layer = index
+        self.block.self_attn.layer_idx = index  # HF attention writes its K/V to cache layer `layer_idx`
 
     # ------------------------------------------------------------------ forward
     def forward(self, hidden: torch.Tensor, cache: KVCache | None = None, position_ids: torch.Tensor | None = None,
@@ -127,6 +137,14 @@ class Adapter(nn.Module):
                 return nn.functional.linear(normed, rows)
             self._head_rows = rows
         return nn.functional.linear(normed, self._head_rows)
+
+    def full_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Logits over the target's whole vocabulary ``[..., V]`` (-inf outside a reduced vocabulary: q = 0 there)."""
+        logits = self.logits(normed)
+        if self.vocab_ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.target.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.vocab_ids.to(logits.device), logits)
 
     def token_ids(self, indices: torch.Tensor) -> torch.Tensor:
         """Map indices into the adapter's vocabulary to token ids."""

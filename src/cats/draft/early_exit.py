@@ -73,14 +73,7 @@ class EarlyExitDrafter(Drafter):
         the adapter (if any) appends their slots to its cache layer, with the same positions and visibility."""
         if self.adapter is None:
             return self.model.head(hidden[0])
-        return self._adapter_logits(self.adapter(hidden, cache, position_ids, attend=attend)[0])
-
-    def _adapter_logits(self, normed: torch.Tensor) -> torch.Tensor:
-        logits = self.adapter.logits(normed)
-        if self.adapter.vocab_ids is None:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.model.vocab_size), float("-inf"))  # q = 0 outside it
-        return full.index_copy_(-1, self.adapter.vocab_ids, logits)
+        return self.adapter.full_logits(self.adapter(hidden, cache, position_ids, attend=attend)[0])
 
     def propose(self, state: DecodeState, max_tokens: int) -> Proposal:
         count = min(self.num_tokens, max_tokens)

@@ -1,0 +1,97 @@
+"""The shallow-verifier cascade: lossless on every family and tree shape, honest counters, cache in step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cats.cascade import CascadeScorer, ShallowCounts
+from cats.draft import EarlyExitDrafter, PromptLookupDrafter, TreeDrafter
+from cats.draft.adapter import new_adapter
+from cats.errors import InvalidArgumentError
+from cats.generate import GenerationConfig, Generator
+from tests.conftest import FAMILIES, VOCAB, hf_greedy, tiny_model
+
+
+def counters_for(parents, tokens, pruned, survivors, target_choice):
+    model = tiny_model("llama")
+    scorer = CascadeScorer(model, new_adapter(model, "shallow", 2))
+    logits = torch.zeros(len(target_choice), VOCAB)
+    logits[torch.arange(len(target_choice)), torch.tensor(target_choice)] = 1
+    scorer._count(torch.tensor(parents), torch.tensor(tokens), pruned, survivors, logits, 1, 0.0, 0.0)
+    return scorer.counts
+
+
+def test_counters_on_a_hand_built_case():
+    # x -> {n0 (token 7), n1 (token 8)}, n0 -> n2 (token 9), n1 -> n3 (token 4)
+    # the shallow verifier pruned n1 (and so n3) and kept n0, n2; the target verified rows [x, n0, n2]
+    # and chose 8 after x (so n0 was wrong and the pruned n1 was right), 9 after n0 (n2 right)
+    counts = counters_for(parents=[-1, -1, 0, 1], tokens=[7, 8, 9, 4], pruned=[False, True, False, True],
+                          survivors=[0, 2], target_choice=[8, 9, 3])
+    assert (counts.true_positive, counts.false_positive, counts.true_negative, counts.false_negative) == (1, 1, 0, 1)
+    assert counts.undecided == 1  # n3: its parent n1 was pruned, the target never judged it
+    assert (counts.nodes_drafted, counts.nodes_pruned, counts.nodes_verified, counts.nodes_corrected) == (4, 2, 3, 1)
+    assert counts.precision == 0.5 and counts.recall == 0.5 and counts.f1 == 0.5 and counts.keep_rate == 0.5
+    data = counts.to_dict()
+    assert data["precision"] == 0.5 and data["keep_rate"] == 0.5
+
+
+def test_empty_counts_do_not_divide_by_zero():
+    counts = ShallowCounts()
+    assert counts.precision == counts.recall == counts.f1 == counts.keep_rate == 0.0
+
+
+def drafters(model, shape):
+    adapter = new_adapter(model, "draft", 1, vocab_subset=torch.randperm(VOCAB)[:64].tolist())
+    if shape == "chain":
+        return EarlyExitDrafter(model, num_tokens=4, adapter=adapter)
+    if shape == "pld":
+        return PromptLookupDrafter(num_tokens=5)
+    return TreeDrafter(model, adapter=adapter, tree_topk=3, total_tokens=9, depth=4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cascade_is_lossless(family):
+    model = tiny_model(family, damp=0.1)
+    torch.manual_seed(1)
+    prompt = torch.randint(3, VOCAB, (9,), generator=torch.Generator().manual_seed(4)).tolist() * 2
+    expected = hf_greedy(model, prompt, 32)
+    settings = [("tree", 0.05, True), ("chain", 0.0, True), ("pld", 0.05, False), ("tree", 0.99, True)]  # last: pruned to empty
+    for shape, sv_threshold, corrections in settings:
+        drafter = drafters(model, shape)
+        scorer = CascadeScorer(model, new_adapter(model, "shallow", 3), drafter=None if shape == "pld" else drafter,
+                               sv_threshold=sv_threshold, corrections=corrections)
+        result = Generator(model, drafter, scorer=scorer).generate(prompt, GenerationConfig(max_new_tokens=32))
+        assert result.token_ids == expected, (family, shape, sv_threshold)
+        shallow = result.stats.shallow
+        assert shallow["steps"] == result.stats.decode_steps
+        assert shallow["nodes_drafted"] == result.stats.drafted_tokens
+        decided = sum(shallow[k] for k in ("true_positive", "false_positive", "true_negative", "false_negative"))
+        assert decided + shallow["undecided"] == shallow["nodes_drafted"]
+        if sv_threshold == 0.99:
+            assert shallow["keep_rate"] < 0.2  # nearly everything pruned, output still exact
+
+
+def test_every_cache_layer_stays_in_step():
+    model = tiny_model("gemma3", damp=0.1)
+    drafter = drafters(model, "tree")
+    scorer = CascadeScorer(model, new_adapter(model, "shallow", 3), drafter=drafter, sv_threshold=0.1)
+    original = drafter.propose
+
+    def checking(state, max_tokens):
+        assert state.cache.lengths() == [state.committed_length] * (model.num_layers + 2)
+        return original(state, max_tokens)
+
+    drafter.propose = checking
+    result = Generator(model, drafter, scorer=scorer).generate(list(range(5, 30)),
+                                                                GenerationConfig(max_new_tokens=30, ignore_eos=True))
+    assert len(result.token_ids) == 30 and result.stats.shallow["nodes_pruned"] > 0
+
+
+def test_bad_cascade_settings():
+    model = tiny_model("llama")
+    drafter = EarlyExitDrafter(model, layer=2)
+    with pytest.raises(InvalidArgumentError, match="must lie above the draft layer"):
+        CascadeScorer(model, new_adapter(model, "shallow", 2), drafter=drafter)
+    with pytest.raises(InvalidArgumentError, match="sv-threshold"):
+        CascadeScorer(model, new_adapter(model, "shallow", 3), sv_threshold=1.0)
