@@ -191,3 +191,24 @@ def test_all_turns_each_method_continues_its_own_answer(tmp_path, one_thread):
     answer = json.loads((out / "ar.jsonl").read_text())
     assert len(answer["choices"][0]["token_ids"]) == 2 and len(answer["choices"][0]["wall_time"]) == 2
     assert main(["bench", "equal", str(out / "ar.jsonl"), str(out / "hf-ar.jsonl")]) == 0
+
+
+def test_cats_methods_with_adapters_report_the_cascade(tmp_path):
+    import cats
+    from cats.draft.adapter import new_adapter
+
+    model = cats.load(TINY)
+    new_adapter(model, "draft", 1, vocab_subset=list(range(256))).save(tmp_path / "adapters" / "draft")
+    new_adapter(model, "shallow", 3).save(tmp_path / "adapters" / "shallow")
+    out = tmp_path / "out"
+    command = cats_command() + ["bench", *BASE_ARGS, "--methods", "ar,tree,cats,cats-no-shallow", "--adapters",
+                                str(tmp_path / "adapters"), "--sv-threshold", "0.02", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    methods = summary["methods"]
+    assert all(methods[m]["exact_match"] == 1.0 for m in ("tree", "cats", "cats-no-shallow"))
+    shallow = methods["cats"]["shallow"]
+    assert shallow["nodes_drafted"] > 0 and 0 <= shallow["keep_rate"] <= 1
+    assert "shallow" not in methods["cats-no-shallow"] and "shallow" not in methods["tree"]
+    assert methods["cats"]["settings"]["cascade"]["sv_threshold"] == 0.02

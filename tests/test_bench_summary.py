@@ -102,3 +102,19 @@ def test_report_has_a_table_per_category_and_states_greedy(answers):
     report = render_report(summarize(answers, RUN), ["ar", "pld", "llama-cpp"])
     assert "## writing" in report and "## math" in report and "**greedy**" in report
     assert "Q4_1" in report  # llama.cpp's weight format is explained when it was asked for
+
+
+def test_shallow_counters_are_summed_over_turns():
+    from cats.bench.summary import shallow_totals
+    from cats.cascade import ShallowCounts
+
+    first = ShallowCounts(true_positive=3, false_positive=1, true_negative=2, false_negative=0, nodes_drafted=6,
+                          nodes_pruned=2, steps=2).to_dict()
+    second = ShallowCounts(true_positive=1, false_positive=1, true_negative=0, false_negative=2, nodes_drafted=4,
+                           nodes_pruned=2, steps=1).to_dict()
+    answers = [{"choices": [{"shallow": [first]}]}, {"choices": [{"shallow": [second]}]}]
+    total = shallow_totals(answers)
+    assert (total["true_positive"], total["false_positive"], total["false_negative"]) == (4, 2, 2)
+    assert total["precision"] == round(4 / 6, 4) and total["recall"] == round(4 / 6, 4)
+    assert total["keep_rate"] == 0.6 and total["steps"] == 3
+    assert shallow_totals([{"choices": [{}]}]) is None

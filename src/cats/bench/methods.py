@@ -73,6 +73,7 @@ class TurnResult:
     token_ids: list[int]  # new tokens, including a final end-of-sequence token if one was generated
     accept_lengths: list[int]  # tokens committed per target forward after the first
     target_forwards: int
+    shallow: dict | None = None  # the cascade's shallow-verifier counters for this turn (method cats)
 
 
 @dataclass
@@ -130,7 +131,8 @@ class CatsMethod(BenchMethod):
 
     def generate(self, prompt_ids, max_new_tokens):
         result = self.generator.generate(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens))
-        return TurnResult(result.token_ids, list(result.stats.accept_lengths), result.stats.target_forwards)
+        return TurnResult(result.token_ids, list(result.stats.accept_lengths), result.stats.target_forwards,
+                          result.stats.shallow)
 
     def describe(self):
         info = self.drafter.describe() if self.drafter is not None else {"name": self.name}

@@ -100,6 +100,8 @@ def answer_question(method: BenchMethod, question: Question, tokenizer, config: 
             choice["wall_time"].append(wall_s)
             choice["accept_lengths"].extend(result.accept_lengths)
             choice["decoding_steps"].append(result.target_forwards)
+            if result.shallow is not None:
+                choice.setdefault("shallow", []).append(result.shallow)
             conversation.add_answer(prompt_ids, result.token_ids)
     except Exception as error:  # a method's crash on one question must not end the run
         answer["error"] = f"{type(error).__name__}: {error}"

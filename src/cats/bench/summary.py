@@ -82,6 +82,21 @@ def answer_tokens(answer: dict) -> list:
     return c["token_ids"] if "token_ids" in c else c["turns"]
 
 
+def shallow_totals(answers: Sequence[dict]) -> dict | None:
+    """The cascade's shallow-verifier counters summed over every turn (precision, recall, F1 and keep rate
+    recomputed from the sums); None when the method has no cascade."""
+    from cats.cascade import ShallowCounts
+
+    turns = [counts for a in answers for counts in choice(a).get("shallow", [])]
+    if not turns:
+        return None
+    total = ShallowCounts()
+    for counts in turns:
+        for key in total.__dataclass_fields__:
+            setattr(total, key, getattr(total, key) + counts[key])
+    return total.to_dict()
+
+
 def exact_match(method_answers: Sequence[dict], reference_answers: Sequence[dict]) -> float | None:
     """Fraction of the questions the reference answered whose answer by the method has exactly the reference's
     tokens (a failed question counts as a mismatch)."""
@@ -148,6 +163,9 @@ def summarize(
             "settings": (settings or {}).get(name, {}),
             "per_category": {},
         }
+        shallow = shallow_totals(good)
+        if shallow is not None:
+            entry["shallow"] = shallow
         for category in categories(answers):
             in_category = [a for a in method_answers if a["category"] == category]
             if not in_category:
