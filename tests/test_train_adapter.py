@@ -98,3 +98,22 @@ def test_bad_training_input(model, data, tmp_path):
         train_adapter(model, data, TrainConfig(role="draft", layer=7, out=tmp_path / "x"))
     with pytest.raises(InvalidArgumentError, match="draft-vocab"):
         train_adapter(model, data, TrainConfig(role="draft", layer=1, out=tmp_path / "x", draft_vocab=10**6))
+
+
+def test_train_adapter_command_line(data, tmp_path):
+    import subprocess
+
+    out = tmp_path / "cli-adapter"
+    proc = subprocess.run(["cats", "train", "adapter", "--model", str(STORIES_HF), "--data", str(data.path),
+                           "--eval-data", str(data.path), "--role", "draft", "--layer", "2", "--out", str(out),
+                           "--max-steps", "3", "--epochs", "5", "--draft-vocab", "128", "--threads", "1", "--no-progress"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert f"wrote adapter {out}" in proc.stdout
+    config = json.loads((out / "config.json").read_text())
+    assert config["role"] == "draft" and config["layer"] == 2 and len(config["vocab_subset"]) == 128
+    assert config["training"]["steps"] == 3 and config["training"]["command"].startswith("cats train adapter")
+    assert (out / "README.md").is_file()
+    bad = subprocess.run(["cats", "train", "adapter", "--model", str(STORIES_HF), "--data", str(data.path), "--role",
+                          "draft", "--layer", "4", "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "not of layer 4" in bad.stderr and "Traceback" not in bad.stderr
