@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import cats
 from cats.draft import EarlyExitDrafter, PromptLookupDrafter

@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import math
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
 
 from cats.draft.adapter import BLOCKS, INITS, ROLES, Adapter, new_adapter
 from cats.errors import InvalidArgumentError
@@ -402,6 +401,3 @@ def run_adapter_command(args: argparse.Namespace) -> int:
     out = train_adapter(model, data, config, eval_data)
     print(f"wrote adapter {out}")
     return 0
-
-
-
