@@ -31,7 +31,7 @@ from cats.draft.base import DecodeState, Proposal
 from cats.draft.early_exit import EarlyExitDrafter
 from cats.errors import InvalidArgumentError
 from cats.model import LayeredModel
-from cats.tree import chain_parents, depths, verification_attend
+from cats.tree import chain_parents, verification_inputs
 
 
 @dataclass
@@ -122,8 +122,7 @@ class CascadeScorer:
         count = proposal.num_tokens
         parents = proposal.parents if proposal.parents is not None else chain_parents(count)
         tokens = proposal.tokens
-        positions = committed + torch.cat([torch.zeros(1, dtype=torch.long), depths(parents)])
-        attend = verification_attend(parents, committed)
+        positions, attend = verification_inputs(parents, committed)
         # 1. up to L_sv, reusing what the drafter computed
         if proposal.hidden is not None:
             hidden, start = proposal.hidden, proposal.hidden_layer
@@ -161,8 +160,7 @@ class CascadeScorer:
         new_parents = torch.tensor([new_index[int(parents[node])] for node in survivors]
                                    + [new_index[parent] for parent, _ in corrections], dtype=torch.long)
         states = [hidden[:, [0] + [node + 1 for node in survivors]]]
-        new_positions = committed + torch.cat([torch.zeros(1, dtype=torch.long), depths(new_parents)])
-        new_attend = verification_attend(new_parents, committed)
+        new_positions, new_attend = verification_inputs(new_parents, committed)
         if corrections:
             rows = slice(len(survivors) + 1, None)
             states.append(self._run_corrections(state, new_tokens[len(survivors):], new_positions[rows], new_attend[rows]))

@@ -47,6 +47,13 @@ def verification_attend(parents: torch.Tensor, past: int) -> torch.Tensor:
     return torch.cat([torch.ones(count + 1, past, dtype=torch.bool), tree], dim=1)
 
 
+def verification_inputs(parents: torch.Tensor, past: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids ``[k+1]`` (``past`` + depth; x at depth 0) and visibility ``[k+1, past+k+1]`` for verifying
+    ``[x, nodes]`` after ``past`` cached slots."""
+    positions = past + torch.cat([torch.zeros(1, dtype=torch.long), depths(parents)])
+    return positions, verification_attend(parents, past)
+
+
 def is_chain(parents: torch.Tensor) -> bool:
     return bool(torch.equal(parents, chain_parents(parents.numel())))
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from cats.draft.base import DecodeState, Proposal
-from cats.tree import depths, greedy_path, verification_attend
+from cats.tree import greedy_path, verification_inputs
 
 
 def score_proposal(state: DecodeState, proposal: Proposal) -> torch.Tensor:
@@ -21,8 +21,7 @@ def score_proposal(state: DecodeState, proposal: Proposal) -> torch.Tensor:
     model, committed = state.model, state.committed_length
     positions, attend = None, None
     if proposal.is_tree:
-        positions = committed + torch.cat([torch.zeros(1, dtype=torch.long), depths(proposal.parents)])
-        attend = verification_attend(proposal.parents, committed)
+        positions, attend = verification_inputs(proposal.parents, committed)
     start = proposal.hidden_layer if proposal.hidden is not None else 0
     if proposal.hidden is not None:
         hidden = proposal.hidden
