@@ -130,12 +130,11 @@ class Adapter(nn.Module):
         weight = self.target.hf_model.lm_head.weight
         if self.vocab_ids is None:
             return nn.functional.linear(normed, weight)
-        if self._head_rows is None or self._head_rows.dtype != weight.dtype or self.training:
-            # gathered once for decoding (|V_d| rows: the memory price of the reduced vocabulary); per call in training
-            rows = weight.index_select(0, self.vocab_ids.to(weight.device))
-            if self.training:
-                return nn.functional.linear(normed, rows)
-            self._head_rows = rows
+        if self.training:  # gathered per call while training
+            return nn.functional.linear(normed, weight.index_select(0, self.vocab_ids.to(weight.device)))
+        if self._head_rows is None or self._head_rows.dtype != weight.dtype:
+            # gathered once for decoding: |V_d| rows, the memory price of the reduced vocabulary
+            self._head_rows = weight.index_select(0, self.vocab_ids.to(weight.device))
         return nn.functional.linear(normed, self._head_rows)
 
     def full_logits(self, normed: torch.Tensor) -> torch.Tensor:

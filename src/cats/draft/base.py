@@ -7,7 +7,7 @@ Notation, used across CATS: p = the target's distribution, q = a draft's distrib
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -40,7 +40,6 @@ class Proposal:
     logits: torch.Tensor | None = None  # [k, V] draft logits behind each d_i (q); None for deterministic drafts
     hidden: torch.Tensor | None = None  # [1, k+1, H] states after layer `hidden_layer` for [x, d_1..d_k]
     hidden_layer: int = 0  # layers [0, hidden_layer) already ran on [x, d_1..d_k] (their K/V is cached)
-    extras: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
