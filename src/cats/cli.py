@@ -49,6 +49,9 @@ def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--depth", type=integer, default=5, help="tree/cats: maximum depth")
     parser.add_argument("--sv-threshold", type=float, default=0.05,
                         help="cats: the shallow verifier prunes nodes it gives a probability below this")
+    parser.add_argument("--sv-passes", type=integer, default=1,
+                        help="cats: shallow passes per deep pass; each extra one redrafts a chain from the shallow "
+                        "verifier's own choice at the end of the path it accepts (default 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,7 +151,7 @@ def run_generate(args) -> int:
                            depth=args.depth)
     prompt_ids = encode_prompt(model, prompt, chat=args.chat, system=args.system)
     streamer = TextStreamer(model.tokenizer) if model.tokenizer is not None else None
-    scorer = make_scorer(args.method, model, drafter, args.adapters, args.sv_threshold)
+    scorer = make_scorer(args.method, model, drafter, args.adapters, args.sv_threshold, args.sv_passes)
     generator = Generator(model, drafter, method=args.method, scorer=scorer)
     result = generator.generate(prompt_ids, config, on_tokens=streamer)
     if streamer is not None:

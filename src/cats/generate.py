@@ -98,7 +98,7 @@ class Generator:
             proposal = self.drafter.propose(state, budget) if self.drafter and budget > 0 else Proposal.empty()
             tock = time.perf_counter()
             # 3. verify [x, d_1..d_k] with the full target in one forward (the cascade may prune and extend it first)
-            verified, target_logits = self.scorer.score(state, proposal)
+            verified, target_logits = self.scorer.score(state, proposal, max_tokens=budget)
             # 4. accept
             verdict = self.acceptance.accept(verified, target_logits)
             # 5. roll back: keep x and the accepted drafts in every layer; the new token is pending
@@ -222,6 +222,7 @@ def generate(
     total_tokens: int = 16,
     depth: int = 5,
     sv_threshold: float = 0.05,
+    sv_passes: int = 1,
     chat: bool = False,
     stop: Sequence[str] = (),
     eos_token_ids: set[int] | None = None,
@@ -243,7 +244,7 @@ def generate(
                                total_tokens=total_tokens, depth=depth)
     else:
         method = drafter.name
-    scorer = make_scorer(method, model, drafter, adapters, sv_threshold)
+    scorer = make_scorer(method, model, drafter, adapters, sv_threshold, sv_passes)
     config = GenerationConfig(max_new_tokens=max_new_tokens, stop=stop, eos_token_ids=eos_token_ids, ignore_eos=ignore_eos)
     prompt_ids = encode_prompt(model, prompt, chat=chat)
     return Generator(model, drafter, method=method, scorer=scorer).generate(prompt_ids, config, on_tokens=on_tokens)

@@ -58,5 +58,7 @@ class GenerationStats:
             f"({self.accepted_draft_tokens}/{self.drafted_tokens}), stop: {self.stop_reason}"
             + (f"; shallow verifier: kept {self.shallow['keep_rate']:.1%} of drafted nodes, precision "
                f"{self.shallow['precision']:.2f}, recall {self.shallow['recall']:.2f}, "
-               f"{self.shallow['nodes_corrected']} corrections" if self.shallow else "")
+               f"{self.shallow['nodes_corrected']} corrections"
+               + (f", {self.shallow['redraft_passes']} redraft passes" if self.shallow.get("redraft_passes") else "")
+               if self.shallow else "")
         )

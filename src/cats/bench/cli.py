@@ -79,7 +79,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         settings=MethodSettings(num_draft_tokens=args.num_draft_tokens, draft_layer=args.draft_layer,
                                 max_ngram=args.max_ngram, adapters=args.adapters, threshold=args.threshold,
                                 tree_topk=args.tree_topk, total_tokens=args.total_tokens, depth=args.depth,
-                                sv_threshold=args.sv_threshold),
+                                sv_threshold=args.sv_threshold, sv_passes=args.sv_passes),
         progress=not args.no_progress,
     )
     summary = run_bench(config)

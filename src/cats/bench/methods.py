@@ -89,6 +89,7 @@ class MethodSettings:
     total_tokens: int = 16
     depth: int = 5
     sv_threshold: float = 0.05  # the cascade's pruning threshold (method cats)
+    sv_passes: int = 1  # the cascade's shallow passes per deep pass (method cats)
     threads: int = 1
 
 
@@ -126,7 +127,8 @@ class CatsMethod(BenchMethod):
                                        if name not in ("ar", "pld") else {}),
                                     tree_topk=settings.tree_topk, total_tokens=settings.total_tokens,
                                     depth=settings.depth)
-        self.scorer = make_scorer(name, context.model, self.drafter, settings.adapters, settings.sv_threshold)
+        self.scorer = make_scorer(name, context.model, self.drafter, settings.adapters, settings.sv_threshold,
+                                  settings.sv_passes if name == "cats" else 1)
         self.generator = Generator(context.model, self.drafter, method=name, scorer=self.scorer)
 
     def generate(self, prompt_ids, max_new_tokens):
