@@ -199,11 +199,21 @@ def encode_prompt(model: LayeredModel, prompt: str | Sequence[int], chat: bool =
     if tokenizer is None:
         raise InvalidArgumentError(f"model {model.name!r} has no tokenizer: pass token ids instead of text")
     if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise InvalidArgumentError(f"model {model.name!r} has no chat template; drop --chat")
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        return [int(t) for t in tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)]
+        return encode_chat(model, messages)
     return [int(t) for t in tokenizer(prompt)["input_ids"]]
+
+
+def encode_chat(model: LayeredModel, messages: Sequence[dict]) -> list[int]:
+    """Token ids of a conversation (``[{"role": ..., "content": ...}, ...]``) through the model's chat template,
+    ending with the prompt for the assistant's next message."""
+    tokenizer = model.tokenizer
+    if tokenizer is None:
+        raise InvalidArgumentError(f"model {model.name!r} has no tokenizer: pass token ids instead of text")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidArgumentError(f"model {model.name!r} has no chat template; drop --chat")
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False)
+    return [int(t) for t in ids]
 
 
 def generate(
