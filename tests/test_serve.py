@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -28,8 +27,6 @@ from cats.generate import GenerationConfig, Generator, encode_chat  # noqa: E402
 
 pytestmark = needs(STORIES_HF)
 
-CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
 STORY = "Once upon a time"
 MAX_QUEUE = 1
 
@@ -41,13 +38,8 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """stories260K as a model folder with a chat template (the original has none)."""
-    folder = tmp_path_factory.mktemp("stories-chat")
-    for item in STORIES_HF.iterdir():
-        shutil.copy(item, folder / item.name)
-    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    return folder
+def model_dir(stories_chat_dir):
+    return stories_chat_dir
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +62,7 @@ def server(model):
                                        log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while not uv.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.02)
@@ -104,7 +96,7 @@ def events(response) -> list:
     return out
 
 
-def wait_for(predicate, timeout=20.0):
+def wait_for(predicate, timeout=60.0):
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
@@ -305,11 +297,11 @@ def test_cats_serve_process_shuts_down_cleanly_on_sigterm(model_dir):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "cats.cli", "serve", "--model", str(model_dir), "--port", str(port),
-                             "--method", "pld", "--shutdown-timeout", "1", "--threads", "1"],
+                             "--method", "ar", "--shutdown-timeout", "0.5", "--threads", "1"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300  # generous: a loaded 2-core machine imports slowly
         while True:
             assert proc.poll() is None, proc.stdout.read()
             try:
@@ -318,8 +310,9 @@ def test_cats_serve_process_shuts_down_cleanly_on_sigterm(model_dir):
             except httpx.TransportError:
                 assert time.monotonic() < deadline, "cats serve did not come up"
                 time.sleep(0.2)
-        assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == model_dir.name
-        answer = httpx.post(f"{base}/v1/completions", json={"prompt": STORY, "max_tokens": 6, "temperature": 0})
+        assert httpx.get(f"{base}/v1/models", timeout=60).json()["data"][0]["id"] == model_dir.name
+        answer = httpx.post(f"{base}/v1/completions", json={"prompt": STORY, "max_tokens": 6, "temperature": 0},
+                            timeout=60)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 6
         # SIGTERM with an answer in flight: it may go on for --shutdown-timeout, then ends with an error event
         with httpx.stream("POST", f"{base}/v1/completions", timeout=30,
@@ -328,8 +321,8 @@ def test_cats_serve_process_shuts_down_cleanly_on_sigterm(model_dir):
         started = time.monotonic()
         assert received[-1] == "[DONE]" and received[-2]["error"]["code"] == "shutting_down"
         assert len(received) > 3 and "choices" in received[-3]
-        assert proc.wait(timeout=30) == 0
-        assert time.monotonic() - started < 10
+        assert proc.wait(timeout=60) == 0
+        assert time.monotonic() - started < 60
         log = proc.stdout.read()
         assert "Shutting down" in log and "Finished server process" in log, log
         assert "Traceback" not in log and "ERROR" not in log, log

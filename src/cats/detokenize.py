@@ -18,9 +18,12 @@ class IncrementalDetokenizer:
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []
         self.sent = 0  # characters of the text already returned as deltas
+        self.stopped: str | None = None  # the final text, once a stop string has appeared
 
     def text(self) -> str:
-        """The text of all tokens so far, cut before the first stop string."""
+        """The text so far, cut before the first stop string (later tokens are ignored once one appeared)."""
+        if self.stopped is not None:
+            return self.stopped
         return self._cut(self.tokenizer.decode(self.ids, skip_special_tokens=True))[0]
 
     def _cut(self, text: str) -> tuple[str, bool]:
@@ -29,12 +32,14 @@ class IncrementalDetokenizer:
 
     def add(self, tokens: Sequence[int]) -> str:
         """Take the next committed tokens; return the new text that is now final ('' if none)."""
+        if self.stopped is not None:
+            return ""
         self.ids.extend(int(t) for t in tokens)
         text, stopped = self._cut(self.tokenizer.decode(self.ids, skip_special_tokens=True))
-        stable = len(text)
-        if not stopped:
-            stable = len(text.rstrip("\ufffd").rstrip())
-            stable = min(stable, len(text) - self.holdback)
+        if stopped:
+            self.stopped = text
+            return self._send(text, len(text))
+        stable = min(len(text.rstrip("\ufffd").rstrip()), len(text) - self.holdback)
         return self._send(text, stable)
 
     def finish(self) -> str:

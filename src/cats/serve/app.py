@@ -11,7 +11,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -36,18 +36,20 @@ def shutting_down(message: str = "the server is shutting down") -> APIError:
 
 
 class EventStream(StreamingResponse):
-    """Server-sent events. Closing the body generator however the response ends (a client that went away
-    included) runs its ``finally``, which cancels the generation."""
+    """Server-sent events. However the response ends (a client that went away included), the body generator is
+    closed and ``on_close`` runs: it cancels the generation."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str]):
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]):
         super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            self.on_close()
             await self.body_iterator.aclose()
 
 
@@ -162,7 +164,7 @@ class CompletionService:
             return Response(status_code=499)
         reply = Reply(self, run, body, chat)
         if body.stream:
-            return EventStream(reply.events())
+            return EventStream(reply.events(), on_close=run.cancel)
         try:
             text = await until_disconnected(request, reply.text())
         finally:

@@ -142,7 +142,7 @@ class Engine:
         return run
 
     def _work(self, run: Run, loop: asyncio.AbstractEventLoop) -> None:
-        started, outcome = time.perf_counter(), "completed"
+        started, outcome, failure = time.perf_counter(), "completed", None
         stream = self.generator.stream(run.prompt_ids, run.config, run.stats)
         try:
             if run.cancelled.is_set():
@@ -154,12 +154,14 @@ class Engine:
                         break
                     _post(loop, run.events.put_nowait, ("tokens", chunk))
         except Exception as error:  # reported to the client; the server goes on
-            outcome = "failed"
-            _post(loop, run.events.put_nowait, ("error", error))
+            outcome, failure = "failed", error
         finally:
             stream.close()
-            _post(loop, run.events.put_nowait, ("end", outcome))
+            # free the slot before the client hears the end, so that its next request finds it free
             _post(loop, self._finished, run, outcome, time.perf_counter() - started)
+            if failure is not None:
+                _post(loop, run.events.put_nowait, ("error", failure))
+            _post(loop, run.events.put_nowait, ("end", outcome))
 
     def _finished(self, run: Run, outcome: str, seconds: float) -> None:
         self.counts[outcome] += 1
