@@ -246,11 +246,8 @@ def test_queue_full_429_and_disconnects_free_the_slot(server, client, model):
             assert next(lines).startswith("data: ")  # decoding has started: the slot is taken
             assert health(client)["busy"]
 
-            # a queued client that disconnects leaves the queue (a raw socket: httpx waits for the headers)
-            request = json.dumps({"prompt": STORY, "max_tokens": 5}).encode()
-            with socket.create_connection(("127.0.0.1", int(server.rsplit(":", 1)[1]))) as leaver:
-                leaver.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                               b"Content-Length: %d\r\n\r\n%s" % (len(request), request))
+            # a queued client that disconnects leaves the queue
+            with raw_post(server, "/v1/completions", {"prompt": STORY, "max_tokens": 5}):
                 wait_for(lambda: health(client)["queued"] == 1)
             wait_for(lambda: health(client)["queued"] == 0)
 
@@ -274,6 +271,24 @@ def test_queue_full_429_and_disconnects_free_the_slot(server, client, model):
     after = health(client)
     assert after["cancelled"] == before["cancelled"] + 1 and after["queued"] == 0
     assert after["completed"] == before["completed"] + 1
+
+
+def raw_post(server, path, body) -> socket.socket:
+    """Send a request on a raw socket (httpx would wait for the response); the caller closes it to leave."""
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", int(server.rsplit(":", 1)[1])))
+    sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                 % (path.encode(), len(payload), payload))
+    return sock
+
+
+def test_a_client_that_leaves_a_non_streamed_answer_cancels_it(server, client):
+    before = health(client)
+    with raw_post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": STORY}],
+                                                   "max_tokens": 1900, "ignore_eos": True}):
+        wait_for(lambda: health(client)["busy"])
+    wait_for(lambda: not health(client)["busy"])
+    assert health(client)["cancelled"] == before["cancelled"] + 1
 
 
 def test_openai_client(server, model):

@@ -50,7 +50,7 @@ class DecodingFields(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
-    user: str | None = None  # an end-user id (OpenAI); only recorded, it cannot change the output
+    user: str | None = None  # OpenAI's end-user id, for the provider's abuse monitoring: no effect on output
     ignore_eos: bool = False
 
     def stop_strings(self) -> list[str]:
