@@ -54,11 +54,27 @@ def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
                         "verifier's own choice at the end of the path it accepts (default 1)")
 
 
+def sparsities(text: str) -> tuple[float, ...]:
+    """``"0.4,0.6"`` -> ``(0.4, 0.6)``; ranges are checked by the API."""
+    try:
+        return tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def add_sparsity_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sparsity", type=sparsities, default=None,
+                        help="layer-skip: fraction of attention/MLP sublayers skipped (default 0.4); dytc: "
+                        "comma-separated sparsities of its layer-skip drafters (default 0.4,0.6)")
+
+
 def add_method_arguments(parser: argparse.ArgumentParser, default: str = "ar") -> None:
     """The decoding method and its drafter's settings (see `build_generator`)."""
     parser.add_argument("--method", default=default, help=f"ar (plain decoding), pld (prompt lookup), early-exit "
                         "(chain), tree (dynamic draft tree from the early exit), cats (draft adapter + tree + "
-                        f"shallow-verifier cascade; needs --adapters), cats-no-shallow (default: {default})")
+                        "shallow-verifier cascade; needs --adapters), cats-no-shallow, layer-skip (calibrated "
+                        "sublayers skipped), dytc (scheduler over prompt lookup, layer skipping and, with --adapters, "
+                        f"the draft adapter) (default: {default})")
     parser.add_argument("--no-shallow", action="store_true", help="with --method cats: no shallow-verifier cascade")
     parser.add_argument("--draft-layer", type=integer, default=None, help="early-exit layer L_d (default: depth/8)")
     parser.add_argument("--num-draft-tokens", "-k", type=integer, default=None,
@@ -67,9 +83,10 @@ def add_method_arguments(parser: argparse.ArgumentParser, default: str = "ar") -
     parser.add_argument("--adapters", default=None, help="trained adapters folder (e.g. "
                         "adapters/smollm2-135m-instruct); early-exit then drafts through its draft adapter")
     parser.add_argument("--threshold", type=float, default=0.0,
-                        help="confidence stop: early-exit stops drafting below this draft probability, tree stops "
-                        "expanding below this cumulative path probability")
+                        help="confidence stop: early-exit and layer-skip stop drafting below this draft probability, "
+                        "tree stops expanding below this cumulative path probability")
     add_tree_arguments(parser)
+    add_sparsity_argument(parser)
 
 
 def method_from_args(args) -> str:
@@ -93,7 +110,8 @@ def build_generator(args, model):
     method = method_from_args(args)
     drafter = make_drafter(method, model, num_draft_tokens=args.num_draft_tokens, draft_layer=args.draft_layer,
                            max_ngram=args.max_ngram, adapters=args.adapters, threshold=args.threshold,
-                           tree_topk=args.tree_topk, total_tokens=args.total_tokens, depth=args.depth)
+                           tree_topk=args.tree_topk, total_tokens=args.total_tokens, depth=args.depth,
+                           sparsity=args.sparsity)
     scorer = make_scorer(method, model, drafter, args.adapters, args.sv_threshold, args.sv_passes)
     return Generator(model, drafter, method=method, scorer=scorer)
 
@@ -118,9 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from cats.bench.cli import add_bench_parser
     from cats.chat import add_chat_parser
+    from cats.draft.calibrate import add_calibrate_parser
     from cats.serve.cli import add_serve_parser
     from cats.train.cli import add_train_parser
 
+    add_calibrate_parser(commands)
     add_bench_parser(commands)
     add_train_parser(commands)
     add_serve_parser(commands)

@@ -121,6 +121,7 @@ class Generator:
             yield chunk
         stats.stop_reason = reason
         stats.shallow = self.scorer.counters()
+        stats.scheduler = self.drafter.counters() if self.drafter is not None else None
         stats.wall_s = time.perf_counter() - start
 
     def _prefill(self, state: DecodeState) -> int:
@@ -231,6 +232,7 @@ def generate(
     tree_topk: int = 4,
     total_tokens: int = 16,
     depth: int = 5,
+    sparsity: float | Sequence[float] | None = None,
     sv_threshold: float = 0.05,
     sv_passes: int = 1,
     chat: bool = False,
@@ -241,7 +243,7 @@ def generate(
     dtype: str = "float32",
 ) -> GenerationResult:
     """Generate from ``prompt`` with ``method`` (``ar``, ``pld``, ``early-exit``, ``tree``, ``cats``,
-    ``cats-no-shallow``) or a ready ``drafter``.
+    ``cats-no-shallow``, ``layer-skip``, ``dytc``) or a ready ``drafter``.
 
     ``model`` is a `LayeredModel` or anything `cats.load` accepts (then loaded with ``dtype``)."""
     if isinstance(model, str):
@@ -251,7 +253,7 @@ def generate(
     if drafter is None:
         drafter = make_drafter(method, model, num_draft_tokens=num_draft_tokens, draft_layer=draft_layer,
                                max_ngram=max_ngram, adapters=adapters, threshold=threshold, tree_topk=tree_topk,
-                               total_tokens=total_tokens, depth=depth)
+                               total_tokens=total_tokens, depth=depth, sparsity=sparsity)
     else:
         method = drafter.name
     scorer = make_scorer(method, model, drafter, adapters, sv_threshold, sv_passes)

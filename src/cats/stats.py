@@ -21,6 +21,7 @@ class GenerationStats:
     wall_s: float = 0.0
     stop_reason: str = ""
     shallow: dict | None = None  # the cascade's shallow-verifier counters (see cats.cascade), when it ran
+    scheduler: dict | None = None  # the DyTC scheduler's decisions and estimates (see cats.draft.dytc), when it ran
 
     @property
     def decode_steps(self) -> int:
@@ -61,4 +62,11 @@ class GenerationStats:
                f"{self.shallow['nodes_corrected']} corrections"
                + (f", {self.shallow['redraft_passes']} redraft passes" if self.shallow.get("redraft_passes") else "")
                if self.shallow else "")
+            + (f"; scheduler: {_scheduler_text(self.scheduler)}" if self.scheduler else "")
         )
+
+
+def _scheduler_text(scheduler: dict) -> str:
+    from cats.draft.dytc import summary_text
+
+    return summary_text(scheduler)
