@@ -14,8 +14,9 @@ Search (`search_skip_set`), for ``size = round(sparsity * 2 * num_layers)`` skip
 
 1. scan: score skipping each sublayer alone (``2 * num_layers`` evaluations, shared by all sparsities);
 2. start from the ``size`` sublayers whose single skip hurts agreement least;
-3. stochastic local search (``budget`` evaluations): swap one skipped sublayer for a kept one, preferring kept
-   sublayers that hurt little alone; keep the swap if agreement does not drop. Sets already scored are not rescored.
+3. stochastic local search (``budget`` evaluations): swap one skipped sublayer for a kept one (half the time a
+   uniformly random one, half the time one that hurt little alone); keep the swap if agreement does not drop.
+   Sets already scored are not rescored.
 
 This is greedy-by-importance plus random local search; CAS-Spec/SWIFT use random search plus Bayesian
 optimisation over the same space. The scan captures most of the signal on the models we tried (a sublayer that is
@@ -240,7 +241,10 @@ def search_skip_set(score: Callable[[SkipSet], float], num_layers: int, size: in
             progress.update()
         kept = sorted(set(range(total)) - current, key=rank.get)
         removed = rng.choice(sorted(current))
-        added = kept[min(int(rng.expovariate(1.0 / max(1.0, len(kept) / 4))), len(kept) - 1)]  # prefer low harm
+        if rng.random() < 0.5:  # prefer sublayers that hurt little alone, but try any of them
+            added = kept[min(int(rng.expovariate(4.0 / len(kept))), len(kept) - 1)]
+        else:
+            added = rng.choice(kept)
         trial = (current - {removed}) | {added}
         if trial in scored:
             continue
