@@ -449,6 +449,14 @@ class DyTCDrafter(Drafter):
                             for key, o in self.options.items()}}
 
 
+def draft_cost(model, layer_fraction: float) -> float:
+    """Prior cost of one draft token as a fraction of a one-token target forward: the draft runs
+    ``layer_fraction`` of the decoder's weights and the whole lm_head (weights read per token dominate on CPUs)."""
+    layers = sum(p.numel() for p in model.layers.parameters())
+    head = model.hf_model.lm_head.weight.numel()
+    return (layer_fraction * layers + head) / (layers + head)
+
+
 def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max_ngram: int = 3,
               num_tokens: int | None = None, lookahead_tokens: int = 4) -> DyTCDrafter:
     """The training-free hierarchy of CAS-Spec plus, optionally, a trained draft adapter:
@@ -460,7 +468,8 @@ def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max
     * with ``adapter``, the early exit through it (``draft-adapter``).
 
     Model drafters draft up to ``num_tokens`` (default 8) tokens. Priors: a layer-skip drafter's calibrated
-    agreement and cost ``1 - s``; the adapter's held-out agreement and cost ``(L + 1) / N``."""
+    agreement, the adapter's held-out agreement (0.6 if unknown); costs from the share of the weights a draft token
+    runs through (`draft_cost`)."""
     from cats.draft.calibrate import load_or_calibrate
     from cats.draft.early_exit import EarlyExitDrafter
     from cats.draft.layer_skip import LayerSkipDrafter
@@ -475,19 +484,23 @@ def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max
     for result in calibrated:
         drafter = LayerSkipDrafter(model, result.skip, num_tokens=limit, assist=bottom, sparsity=result.sparsity,
                                    agreement=result.agreement)
-        options.append(DraftOption(drafter.label, drafter, limit, result.agreement, 1.0 - result.sparsity))
+        options.append(DraftOption(drafter.label, drafter, limit, result.agreement,
+                                   draft_cost(model, 1.0 - result.sparsity)))
     if len(calibrated) >= 2:
         dense, sparse = calibrated[0], calibrated[-1]
         helper = LayerSkipDrafter(model, sparse.skip, num_tokens=limit, assist=bottom, sparsity=sparse.sparsity,
                                   agreement=sparse.agreement)
         drafter = LayerSkipDrafter(model, dense.skip, num_tokens=limit, assist=helper, sparsity=dense.sparsity,
                                    agreement=dense.agreement)
-        options.append(DraftOption(drafter.label, drafter, limit, dense.agreement, 1.0 - sparse.sparsity))
+        # about two tokens per dense forward: the sparse drafter's cost plus half the dense one's, per token
+        cost = draft_cost(model, 1.0 - sparse.sparsity) + 0.5 * draft_cost(model, 1.0 - dense.sparsity)
+        options.append(DraftOption(drafter.label, drafter, limit, dense.agreement, cost))
     if adapter is not None:
         drafter = EarlyExitDrafter(model, adapter=adapter, num_tokens=limit)
         final = (adapter.config.training or {}).get("final_eval") or {}
         prior = float(final.get("agreement", 0.6))
-        options.append(DraftOption("draft-adapter", drafter, limit, prior, (drafter.layer + 1) / model.num_layers))
+        options.append(DraftOption("draft-adapter", drafter, limit, prior,
+                                   draft_cost(model, (drafter.layer + 1) / model.num_layers)))
     return DyTCDrafter(options, lookup=lookup, lookahead_tokens=lookahead_tokens)
 
 
