@@ -17,10 +17,12 @@ Estimates (all online):
   weighted geometric-model estimate. The prior (prompt lookup: fixed guesses; layer skip: the calibrated
   agreement; an adapter: its held-out agreement) enters as one pseudo-observation older than all others, and is all
   that is left when a drafter went unused for 20 steps: a drafter with a good prior is tried again then (exploration).
-* latency: recursive least squares with forgetting (0.98), time = a + b * n, for the target's verification
-  (n = tokens verified) and for each drafter (n = tokens drafted), measured with the clock around `propose` and
-  between `propose` and `observe` (the verification). Until a drafter was measured, its cost is its prior cost
-  ratio times a one-token verification.
+* latency: recursive least squares with forgetting (0.98), time = a + b * n, for the target's verification of
+  n >= 2 tokens and for each drafter (n = tokens drafted), and a moving average of the one-token forward (plain
+  decoding; on CPUs it is often cheaper than the line through multi-token forwards predicts, as matrix-vector
+  kernels give way to matrix-matrix ones), measured with the clock around `propose` and between `propose` and
+  `observe` (the verification). Until a drafter was measured, its cost is its prior cost ratio times a one-token
+  forward.
 
 Objective (A*-style, as CAS-Spec): for drafter c at length k with acceptance alpha,
 
@@ -166,6 +168,22 @@ class LatencyModel:
         return None if self.scale is None else [float(c * self.scale) for c in self.theta]
 
 
+class MovingLatency:
+    """An exponential moving average of a duration (one-token forwards), forgetting factor as `LatencyModel`."""
+
+    def __init__(self, forgetting: float = FORGETTING):
+        self.forgetting, self.value, self.count = forgetting, 0.0, 0
+
+    @property
+    def ready(self) -> bool:
+        return self.count > 0
+
+    def observe(self, seconds: float) -> None:
+        self.count += 1
+        weight = max(1.0 - self.forgetting, 1.0 / self.count)  # a plain mean until the window fills
+        self.value += weight * (seconds - self.value)
+
+
 @dataclass
 class DraftOption:
     """A drafter the scheduler may choose, at any length up to ``max_tokens``."""
@@ -227,7 +245,9 @@ class DyTCDrafter(Drafter):
         self.acceptance = {key: AcceptanceEstimate(o.prior_acceptance, decay, window) for key, o in self.options.items()}
         self.pld_acceptance: dict[int, AcceptanceEstimate] = {}
         self.lookahead_yield = WindowedAverage(0.0, decay, window)
-        self.verify_latency = LatencyModel(VERIFY_SLOPE, forgetting)
+        self.verify_latency = LatencyModel(VERIFY_SLOPE, forgetting)  # verifying 2 or more tokens
+        self.single_latency = MovingLatency(forgetting)  # a one-token forward (no draft): often much cheaper per
+        # token than the line through multi-token forwards predicts (matrix-vector vs matrix-matrix kernels)
         self.draft_latency = {key: LatencyModel(0.05, forgetting) for key in list(self.options) + [PLD]}
         self.step = 0
         self._state: DecodeState | None = None
@@ -242,10 +262,20 @@ class DyTCDrafter(Drafter):
         return self.pld_acceptance[ngram]
 
     def _verify_line(self) -> tuple[float, float]:
-        """``(a, b)`` of the verification time ``a + b * n``; in units of a one-token forward until measured."""
+        """``(a, b)`` of the time ``a + b * n`` to verify n >= 2 tokens; until measured, the prior shape through
+        the one-token time (in units of a one-token forward until that is measured too)."""
         if self.verify_latency.ready:
             return self.verify_latency.line()
-        return 1.0 - VERIFY_SLOPE, VERIFY_SLOPE
+        single = self._single_time()
+        return single * (1.0 - VERIFY_SLOPE), single * VERIFY_SLOPE
+
+    def _single_time(self) -> float:
+        """Time of a one-token target forward (plain decoding)."""
+        if self.single_latency.ready:
+            return self.single_latency.value
+        if self.verify_latency.ready:
+            return self.verify_latency.predict(1)
+        return 1.0
 
     def _draft_line(self, key: str) -> tuple[float, float]:
         """``(a, b)`` of the drafting time ``a + b * k``; before any measurement, the prior cost ratio per token
@@ -253,10 +283,11 @@ class DyTCDrafter(Drafter):
         model = self.draft_latency[key]
         if model.ready:
             return model.line()
-        a, b = self._verify_line()
-        return 0.0, (PLD_COST if key == PLD else self.options[key].prior_cost) * (a + b)
+        return 0.0, (PLD_COST if key == PLD else self.options[key].prior_cost) * self._single_time()
 
     def _verify_time(self, n: int) -> float:
+        if n <= 1:
+            return max(self._single_time(), 1e-6)
         a, b = self._verify_line()
         return max(a + b * n, 1e-6)
 
@@ -267,9 +298,9 @@ class DyTCDrafter(Drafter):
     def _best_length(self, key: str, max_k: int, alpha: float, lookahead: float = 0.0,
                      only: int | None = None) -> tuple[int, float]:
         """The length in ``1..max_k`` with the best rate (the first on ties) and that rate."""
-        va, vb = self._verify_line()
         if key == NONE or max_k == 0:
-            return 0, 1.0 / max(va + vb, 1e-6)
+            return 0, 1.0 / max(self._single_time(), 1e-6)
+        va, vb = self._verify_line()
         da, db = self._draft_line(key)
         best_k, best, accepted, power = 0, -1.0, 0.0, 1.0
         for k in range(1, max_k + 1):
@@ -345,7 +376,11 @@ class DyTCDrafter(Drafter):
         decision, self._decision = self._decision, None
         if decision is None:
             return
-        self.verify_latency.observe(proposal.num_tokens + 1, self.clock() - decision.drafted_at)
+        verify_s = self.clock() - decision.drafted_at
+        if proposal.num_tokens:
+            self.verify_latency.observe(proposal.num_tokens + 1, verify_s)
+        else:
+            self.single_latency.observe(verify_s)
         chain = min(num_accepted, decision.k)
         self._counts["accepted"][decision.key] += chain
         if decision.key == PLD:
@@ -436,7 +471,9 @@ class DyTCDrafter(Drafter):
                 "pld_acceptance": {str(n): round(est.value(self.step), 4)
                                    for n, est in sorted(self.pld_acceptance.items())},
                 "lookahead_yield": round(self.lookahead_yield.ratio(self.step), 4),
-                "verify_latency_s": _rounded(self.verify_latency.coefficients()),
+                "verify_latency_s": {"one_token": _rounded([self.single_latency.value])[0]
+                                     if self.single_latency.ready else None,
+                                     "line": _rounded(self.verify_latency.coefficients())},
                 "draft_latency_s": {key: _rounded(model.coefficients()) for key, model in self.draft_latency.items()},
             },
         }
