@@ -163,7 +163,7 @@ def test_prompt_lookup_is_chosen_when_its_matches_hold():
 
 def dytc_for(model, adapter=None):
     """A DyTC over hand-picked skip sets (no calibration), a nested cascade and optionally a draft adapter."""
-    from cats.draft import EarlyExitDrafter
+    from cats.draft import EarlyExitDrafter, TreeDrafter
 
     bottom = PromptLookupDrafter(num_tokens=6)
     dense = LayerSkipDrafter(model, SkipSet(attention=(2,), mlp=(1,)), num_tokens=6, assist=bottom)
@@ -173,6 +173,8 @@ def dytc_for(model, adapter=None):
     options.append(DraftOption("nested", nested, 6, 0.8, 0.3))
     if adapter is not None:
         options.append(DraftOption("draft-adapter", EarlyExitDrafter(model, adapter=adapter, num_tokens=6), 6, 0.8, 0.4))
+        tree = TreeDrafter(model, adapter=adapter, tree_topk=2, total_tokens=6, depth=3)
+        options.append(DraftOption("draft-tree", tree, 6, 0.8, 0.3, tree=True))
     return DyTCDrafter(options, lookup=PromptLookupDrafter(num_tokens=8), lookahead_tokens=3)
 
 
@@ -235,6 +237,14 @@ def test_dytc_method_calibrates_once_and_reports(tmp_path, monkeypatch):
     assert layer_skip.skip == drafter.options["ls0.6<pld"].drafter.skip and layer_skip.agreement is not None
     prompt = [5, 6, 7, 8] * 4
     result = Generator(model, drafter).generate(prompt, GenerationConfig(max_new_tokens=30))
+    assert result.token_ids == hf_greedy(model, prompt, 30)
+    from cats.draft.adapter import new_adapter
+
+    torch.manual_seed(0)
+    new_adapter(model, "draft", 2).save(tmp_path / "adapters" / "draft")
+    with_adapter = make_drafter("dytc", model, adapters=str(tmp_path / "adapters"), total_tokens=8, depth=3)
+    assert list(with_adapter.options)[-2:] == ["draft-adapter", "draft-tree"] and with_adapter.cache_layers == 1
+    result = Generator(model, with_adapter).generate(prompt, GenerationConfig(max_new_tokens=30))
     assert result.token_ids == hf_greedy(model, prompt, 30)
     with pytest.raises(InvalidArgumentError, match="--sparsity applies to layer-skip and dytc"):
         make_drafter("pld", model, sparsity=0.4)

@@ -72,7 +72,8 @@ def make_drafter(
         from cats.draft.dytc import make_dytc
 
         return make_dytc(model, _sparsities(sparsity, DYTC_SPARSITIES), adapter=_draft_adapter(adapters, model),
-                         max_ngram=max_ngram, num_tokens=num_draft_tokens)
+                         max_ngram=max_ngram, num_tokens=num_draft_tokens, tree_topk=tree_topk,
+                         total_tokens=total_tokens, depth=depth)
     if method in ("cats", "cats-no-shallow") and adapters is None:
         raise InvalidArgumentError(f"method {method!r} needs --adapters DIR holding trained draft/ and shallow/ adapters "
                                    "(cats train adapter); without adapters use tree or early-exit")

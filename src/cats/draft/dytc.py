@@ -186,13 +186,16 @@ class MovingLatency:
 
 @dataclass
 class DraftOption:
-    """A drafter the scheduler may choose, at any length up to ``max_tokens``."""
+    """A drafter the scheduler may choose: a chain drafter at any length up to ``max_tokens``, or (``tree``) a
+    drafter of fixed-shape token trees of at most ``max_tokens`` nodes, whose mean accepted tokens per step the
+    scheduler tracks instead of a per-token rate."""
 
     key: str  # its name in counters, e.g. "ls0.4<pld"
-    drafter: Drafter  # a chain drafter; asked for exactly the chosen length
+    drafter: Drafter  # a chain drafter is asked for exactly the chosen length; a tree drafter drafts its own shape
     max_tokens: int = 8
-    prior_acceptance: float = 0.5
+    prior_acceptance: float = 0.5  # per token (a tree: of its best path, over its depth)
     prior_cost: float = 0.5  # per drafted token, as a fraction of a one-token target forward
+    tree: bool = False
 
 
 @dataclass
@@ -234,15 +237,23 @@ class DyTCDrafter(Drafter):
                 raise InvalidArgumentError(f"DyTC option {option.key!r}: max_tokens >= 1, prior acceptance in "
                                            "[0, 1] and a non-negative prior cost are required")
         with_cache = [option for option in options if option.drafter.cache_layers]
-        if len(with_cache) > 1:
-            raise InvalidArgumentError("DyTC can hold one drafter with its own cache layers (one draft adapter)")
+        if len({id(getattr(option.drafter, "adapter", None)) for option in with_cache}) > 1:
+            raise InvalidArgumentError("DyTC can hold one draft adapter (drafters with their own cache layers must "
+                                       "share it)")
         self.options = {option.key: option for option in options}
         self.lookup, self.lookahead_tokens = lookup, lookahead_tokens if lookup is not None else 0
         self.decay, self.window, self.clock = decay, window, clock
         self.synced = with_cache[0].drafter if with_cache else None  # the adapter drafter kept in sync
         self.cache_layers = self.synced.cache_layers if self.synced else 0
         self.prefill_layers = tuple(sorted({layer for o in options for layer in o.drafter.prefill_layers}))
-        self.acceptance = {key: AcceptanceEstimate(o.prior_acceptance, decay, window) for key, o in self.options.items()}
+        # drafters whose prefill runs once: one per adapter, and any other drafter that asks for prompt states
+        self._prefilled = ([self.synced] if self.synced else []) + [
+            o.drafter for o in options if o.drafter.prefill_layers and not o.drafter.cache_layers]
+        self.tree_yield = {  # trees: mean accepted tokens per step, prior from the per-token prior over the depth
+            key: WindowedAverage(expected_accepted(o.prior_acceptance, getattr(o.drafter, "depth", o.max_tokens)),
+                                 decay, window) for key, o in self.options.items() if o.tree}
+        self.acceptance = {key: AcceptanceEstimate(o.prior_acceptance, decay, window)
+                           for key, o in self.options.items() if not o.tree}
         self.pld_acceptance: dict[int, AcceptanceEstimate] = {}
         self.lookahead_yield = WindowedAverage(0.0, decay, window)
         self.verify_latency = LatencyModel(VERIFY_SLOPE, forgetting)  # verifying 2 or more tokens
@@ -326,7 +337,12 @@ class DyTCDrafter(Drafter):
             limit = min(option.max_tokens, max_tokens)
             if limit <= 0:
                 continue
-            k, value = self._best_length(key, limit, self.acceptance[key].value(self.step), lookahead)
+            if option.tree:
+                k = option.max_tokens  # its node count (the budget only limits its depth)
+                da, db = self._draft_line(key)
+                value = (1.0 + self.tree_yield[key].ratio(self.step)) / (max(da + db * k, 0.0) + self._verify_time(k + 1))
+            else:
+                k, value = self._best_length(key, limit, self.acceptance[key].value(self.step), lookahead)
             if value > best:
                 choice, best = (key, k), value
         return choice
@@ -334,16 +350,15 @@ class DyTCDrafter(Drafter):
     # ------------------------------------------------------------------ the Drafter interface
     def prefill(self, state: DecodeState, hidden: dict[int, torch.Tensor]) -> None:
         self._begin(state)
-        for option in self.options.values():
-            if option.drafter.prefill_layers:
-                option.drafter.prefill(state, hidden)
+        for drafter in self._prefilled:
+            drafter.prefill(state, hidden)
 
     def propose(self, state: DecodeState, max_tokens: int) -> Proposal:
         if state is not self._state:
             self._begin(state)
         self.step += 1
         start = self.clock()
-        tokens = np.asarray(state.token_ids)
+        tokens = self._token_array(state)
         found, ngram = np.empty(0, dtype=np.int64), 0
         if self.lookup is not None and max_tokens > 0:
             found, ngram = lookup_with_ngram(tokens, self.lookup.max_ngram, self.lookup.min_ngram,
@@ -355,11 +370,12 @@ class DyTCDrafter(Drafter):
         elif key == PLD:
             proposal = Proposal(tokens=torch.as_tensor(found[:k], dtype=torch.long))
         else:
-            proposal = self.options[key].drafter.propose(state, k)
+            proposal = self.options[key].drafter.propose(state, max_tokens if self.options[key].tree else k)
             decision.k = proposal.num_tokens
         drafted_at = self.clock()
         if key not in (NONE, PLD):
             self.draft_latency[key].observe(decision.k, drafted_at - start)
+        if key not in (NONE, PLD) and not self.options[key].tree:
             proposal = self._attach_lookahead(state, proposal, decision, self.options[key].drafter,
                                               drafted_at - start, max_tokens)
         elif key == PLD:
@@ -383,7 +399,9 @@ class DyTCDrafter(Drafter):
             self.single_latency.observe(verify_s)
         chain = min(num_accepted, decision.k)
         self._counts["accepted"][decision.key] += chain
-        if decision.key == PLD:
+        if decision.key in self.tree_yield:
+            self.tree_yield[decision.key].observe(self.step, float(num_accepted))
+        elif decision.key == PLD:
             self._alpha_pld(decision.ngram).observe_step(self.step, chain, decision.k)
         elif decision.key != NONE:
             self.acceptance[decision.key].observe_step(self.step, chain, decision.k)
@@ -446,9 +464,22 @@ class DyTCDrafter(Drafter):
         hidden = self._states(self.synced, state, tokens, state.committed_length)
         return replace(proposal, hidden=hidden, hidden_layer=self.synced.layer)
 
+    def _token_array(self, state: DecodeState) -> np.ndarray:
+        """``state.token_ids`` as a numpy array, converting only the tokens added since the last step (within a
+        generation tokens are only ever appended)."""
+        ids, held = state.token_ids, self._held
+        if len(ids) > len(self._buffer):
+            grown = np.empty(max(2 * len(self._buffer), len(ids) + 256), dtype=np.int64)
+            grown[:held] = self._buffer[:held]
+            self._buffer = grown
+        self._buffer[held:len(ids)] = ids[held:]
+        self._held = len(ids)
+        return self._buffer[: len(ids)]
+
     def _begin(self, state: DecodeState) -> None:
         """A new generation: its counters start at zero (the estimates carry over)."""
         self._state, self._decision = state, None
+        self._buffer, self._held = np.empty(0, dtype=np.int64), 0
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -471,6 +502,7 @@ class DyTCDrafter(Drafter):
                 "pld_acceptance": {str(n): round(est.value(self.step), 4)
                                    for n, est in sorted(self.pld_acceptance.items())},
                 "lookahead_yield": round(self.lookahead_yield.ratio(self.step), 4),
+                "tree_yield": {key: round(y.ratio(self.step), 4) for key, y in self.tree_yield.items()},
                 "verify_latency_s": {"one_token": _rounded([self.single_latency.value])[0]
                                      if self.single_latency.ready else None,
                                      "line": _rounded(self.verify_latency.coefficients())},
@@ -495,14 +527,16 @@ def draft_cost(model, layer_fraction: float) -> float:
 
 
 def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max_ngram: int = 3,
-              num_tokens: int | None = None, lookahead_tokens: int = 4) -> DyTCDrafter:
+              num_tokens: int | None = None, lookahead_tokens: int = 4, tree_topk: int = 4, total_tokens: int = 16,
+              depth: int = 5) -> DyTCDrafter:
     """The training-free hierarchy of CAS-Spec plus, optionally, a trained draft adapter:
 
     * prompt lookup (up to 10 tokens), also the bottom look-ahead;
     * for each sparsity s, a layer-skip drafter ``ls<s><pld`` whose own tokens prompt lookup proposes (vertical
       cascade); with two or more sparsities also ``ls<lowest><ls<highest><pld``, the densest drafter assisted by
       the sparsest;
-    * with ``adapter``, the early exit through it (``draft-adapter``).
+    * with ``adapter``, the early exit through it: chains (``draft-adapter``) and dynamic trees of
+      ``total_tokens`` nodes (``draft-tree``, shaped by ``tree_topk`` and ``depth`` as in method ``tree``).
 
     Model drafters draft up to ``num_tokens`` (default 8) tokens. Priors: a layer-skip drafter's calibrated
     agreement, the adapter's held-out agreement (0.6 if unknown); costs from the share of the weights a draft token
@@ -510,6 +544,7 @@ def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max
     from cats.draft.calibrate import load_or_calibrate
     from cats.draft.early_exit import EarlyExitDrafter
     from cats.draft.layer_skip import LayerSkipDrafter
+    from cats.draft.tree_draft import TreeDrafter
 
     limit = num_tokens or 8
     if limit < 1:
@@ -536,8 +571,12 @@ def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max
         drafter = EarlyExitDrafter(model, adapter=adapter, num_tokens=limit)
         final = (adapter.config.training or {}).get("final_eval") or {}
         prior = float(final.get("agreement", 0.6))
-        options.append(DraftOption("draft-adapter", drafter, limit, prior,
-                                   draft_cost(model, (drafter.layer + 1) / model.num_layers)))
+        cost = draft_cost(model, (drafter.layer + 1) / model.num_layers)
+        options.append(DraftOption("draft-adapter", drafter, limit, prior, cost))
+        tree = TreeDrafter(model, adapter=adapter, tree_topk=tree_topk, total_tokens=total_tokens, depth=depth)
+        # a tree runs the draft layers on its expanded nodes only: about depth * tree_topk of total_tokens
+        expanded = min(1.0, (depth * tree_topk + 1) / total_tokens)
+        options.append(DraftOption("draft-tree", tree, total_tokens, prior, cost * expanded, tree=True))
     return DyTCDrafter(options, lookup=lookup, lookahead_tokens=lookahead_tokens)
 
 
@@ -556,11 +595,14 @@ def summary_text(scheduler: dict) -> str:
     shares = ", ".join(f"{key} {share:.0%}" for key, share in choice_shares(scheduler).items())
     alphas = ", ".join(f"{key} {value:.2f}" for key, value in scheduler["estimates"]["acceptance"].items())
     pld = ", ".join(f"{n}-gram {value:.2f}" for n, value in scheduler["estimates"]["pld_acceptance"].items())
+    trees = ", ".join(f"{key} {value:.2f}" for key, value in scheduler["estimates"].get("tree_yield", {}).items())
     parts = [f"chose {shares or 'nothing'}"]
     if alphas:
         parts.append(f"acceptance {alphas}")
     if pld:
         parts.append(f"pld acceptance {pld}")
+    if trees:
+        parts.append(f"accepted per tree {trees}")
     if scheduler["lookahead"]["steps"]:
         look = scheduler["lookahead"]
         parts.append(f"look-ahead {look['accepted']}/{look['tokens']} tokens accepted")
