@@ -21,8 +21,8 @@ Estimates (all online):
   n >= 2 tokens and for each drafter (n = tokens drafted), and a moving average of the one-token forward (plain
   decoding; on CPUs it is often cheaper than the line through multi-token forwards predicts, as matrix-vector
   kernels give way to matrix-matrix ones), measured with the clock around `propose` and between `propose` and
-  `observe` (the verification). Until a drafter was measured, its cost is its prior cost ratio times a one-token
-  forward.
+  `observe` (the verification). Each drafter is tried once (at length 2) as soon as a verification was timed, so
+  that its cost is measured rather than assumed; the estimates persist across generations.
 
 Objective (A*-style, as CAS-Spec): for drafter c at length k with acceptance alpha,
 
@@ -327,6 +327,10 @@ class DyTCDrafter(Drafter):
     def plan(self, max_tokens: int, lookup_tokens: int = 0, ngram: int = 0) -> tuple[str, int]:
         """The best (drafter key, length) now, given that prompt lookup offers ``lookup_tokens`` tokens from an
         ``ngram``-token match. Ties go to the earlier candidate: no draft, prompt lookup, options in order, shorter."""
+        if self.single_latency.ready or self.verify_latency.ready:
+            for key, option in self.options.items():  # try every drafter once, so its cost is measured, not assumed
+                if not self.draft_latency[key].ready and min(option.max_tokens, max_tokens) >= 1:
+                    return key, option.max_tokens if option.tree else min(2, option.max_tokens, max_tokens)
         choice, best = (NONE, 0), self._best_length(NONE, 0, 0.0)[1]
         if lookup_tokens and max_tokens > 0:
             k, value = self._best_length(PLD, min(lookup_tokens, max_tokens), self._alpha_pld(ngram).value(self.step))
