@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from cats.draft.base import DecodeState, Drafter, Proposal
 from collections.abc import Sequence
 
+from cats.draft.base import DecodeState, Drafter, Proposal
 from cats.draft.early_exit import EarlyExitDrafter, default_draft_layer
 from cats.draft.layer_skip import LayerSkipDrafter, SkipSet
 from cats.draft.prompt_lookup import PromptLookupDrafter
