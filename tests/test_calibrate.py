@@ -133,3 +133,14 @@ def test_calibrate_command(capsys, tmp_path):
     assert json.loads(open(path).read())["skip_sets"]["0.4"]["settings"]["prompts"] == str(prompts)
     assert main(["calibrate", "--model", str(STORIES_HF), "--sparsity", "0.4,1.5"]) == 2
     assert "sparsity must lie in (0, 1), got 1.5" in capsys.readouterr().err
+    # generation uses the cached skip set (no new calibration), and stays lossless
+    tokens = {}
+    for method in ("ar", "layer-skip", "dytc"):
+        extra = ["--sparsity", "0.4"] if method != "ar" else []
+        assert main(["generate", "--model", str(STORIES_HF), "--prompt", "Once upon a time", "--method", method,
+                     "--max-new-tokens", "24", "--stats", "--json", *extra]) == 0
+        captured = capsys.readouterr()
+        assert "calibrating" not in captured.err and f"[{method}, acceptance: greedy]" in captured.err
+        tokens[method] = json.loads(captured.out.strip().splitlines()[-1])["token_ids"]
+    assert tokens["ar"] == tokens["layer-skip"] == tokens["dytc"]
+    assert "scheduler: chose" in captured.err
