@@ -210,7 +210,7 @@ class CascadeScorer:
         if len(survivors) < count:
             keep = torch.arange(committed + 1 + base)
             batch = committed + 1 + base + torch.tensor(survivors, dtype=torch.long)
-            state.cache.keep(torch.cat([keep, batch]), layers=self._shallow_layers())
+            cache.keep(torch.cat([keep, batch]), layers=self._shallow_layers())
         index = dict(parent_map)  # batch index -> tree index
         for node in survivors:
             index[node] = len(tree.tokens)
@@ -262,12 +262,10 @@ class CascadeScorer:
         base = len(tree.tokens)
         tokens, parents, states = [tree.choices[end + 1]], [-1], []
         # draft one token at a time through [0, L_d) and the draft head, each seeing x, its tree ancestors and itself
-        scratch = _ShallowTree(tokens=list(tree.tokens), parents=list(tree.parents))
-        scratch.parents.append(end)
-        scratch.tokens.append(tokens[0])
+        all_parents = tree.parents + [end]  # the tree's parents and the chain's, in tree indices
         while True:
-            positions, attend = verification_inputs(torch.tensor(scratch.parents, dtype=torch.long), committed)
-            row = len(scratch.parents)
+            positions, attend = verification_inputs(torch.tensor(all_parents, dtype=torch.long), committed)
+            row = len(all_parents)
             position, visible = positions[row : row + 1], attend[row : row + 1, : committed + 1 + row]
             hidden = model.forward_layers(model.embed(torch.tensor(tokens[-1:])), 0, drafter.layer, cache,
                                           position_ids=position, attend=visible)
@@ -282,11 +280,9 @@ class CascadeScorer:
             token = int(draft_logits.argmax())
             tokens.append(token)
             parents.append(len(tokens) - 2)
-            scratch.tokens.append(token)
-            scratch.parents.append(len(scratch.parents) - 1)
+            all_parents.append(len(all_parents) - 1)
         # the batch through [L_d, L_sv) at once, then the shallow verifier
-        positions, attend = verification_inputs(torch.tensor(scratch.parents[: base + len(tokens)], dtype=torch.long),
-                                                 committed)
+        positions, attend = verification_inputs(torch.tensor(all_parents, dtype=torch.long), committed)
         rows = slice(base + 1, base + 1 + len(tokens))
         positions, attend = positions[rows], attend[rows]
         hidden = model.forward_layers(torch.cat(states, dim=1), drafter.layer, self.layer, cache,
