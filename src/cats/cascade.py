@@ -13,6 +13,12 @@ For a drafted tree (or chain) over ``[x, n_0 .. n_{k-1}]`` whose states after la
 No layer runs twice for the same node, and the full target still decides every token, so greedy output is
 unchanged (lossless); the cascade only decides which nodes the deep layers spend their time on.
 
+Under speculative sampling the drafted nodes were drawn from q (`Proposal.draws`). Removing a drawn node because
+of its own token would bias the test of its siblings, so a pruned drawn node stays in its parent's draw as an
+*unverified* candidate: the deep layers skip it and its subtree, and if the target accepts it, it is the step's last
+token. Corrections are deterministic candidates, tested after the drawn ones (one-hot q). Both keep the output's
+distribution exactly that of plain sampling (see `cats.acceptance`).
+
 Counters per generation (`ShallowCounts`): for every drafted node whose parent the target verified, the shallow
 decision (keep / prune) against the target's (the node's token is the target's choice at its parent): TP = kept
 and right, FP = kept and wrong, TN = pruned and wrong, FN = pruned and right; nodes whose parent was pruned too have
@@ -27,7 +33,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from cats.draft.adapter import Adapter
-from cats.draft.base import DecodeState, Proposal
+from cats.draft.base import DecodeState, Draw, Proposal
 from cats.draft.early_exit import EarlyExitDrafter
 from cats.errors import InvalidArgumentError
 from cats.model import LayeredModel
@@ -145,6 +151,8 @@ class CascadeScorer:
             children: dict[int, set[int]] = {}
             for node in range(count):
                 children.setdefault(int(parents[node]), set()).add(int(tokens[node]))
+            for draw in proposal.draws or ():
+                children.setdefault(draw.parent, set()).update(draw.tokens)
             for parent in [-1] + survivors:
                 if parent in children and int(shallow_choice[parent + 1]) not in children[parent]:
                     corrections.append((parent, int(shallow_choice[parent + 1])))
@@ -170,8 +178,12 @@ class CascadeScorer:
                                     attend=new_attend)
         target_logits = model.head(deep[0])
         self._count(parents, tokens, pruned, survivors, target_logits, len(corrections), tick, tock)
+        draws = None
+        if proposal.draws is not None:  # pruned drawn nodes stay candidates, unverified (module docstring)
+            draws = [Draw(new_index[draw.parent], draw.tokens, [new_index.get(node) for node in draw.nodes], draw.probs)
+                     for draw in proposal.draws if draw.parent in new_index]
         verified = Proposal(tokens=torch.tensor(new_tokens, dtype=torch.long), parents=new_parents,
-                            hidden=shallow_hidden, hidden_layer=self.layer)
+                            hidden=shallow_hidden, hidden_layer=self.layer, draws=draws)
         return verified, target_logits
 
     def _run_corrections(self, state: DecodeState, tokens: list[int], positions: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
