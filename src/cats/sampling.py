@@ -8,7 +8,8 @@ every speculative method keeps exactly that distribution (see `cats.acceptance`)
 One `Sampler` per generation owns one ``torch.Generator`` seeded from ``seed``: every random draw of a generation
 (the first token, draft tokens, acceptance tests, residual samples) comes from it, so the same seed gives the same
 output for every method. A draw from a probability row uses one uniform number and the inverse CDF, computed in
-float64 on the row's device, so it needs no generator on that device.
+float64 on the row's device, so it needs no generator on that device. Uniform numbers are drawn from the generator
+in blocks (the sequence is the same as one at a time).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class Sampler:
         self.temperature, self.top_p, self.top_k = float(temperature), float(top_p), int(top_k)
         self.seed: int | None = None
         self.generator: torch.Generator | None = None
+        self._uniforms: list[float] = []
         if temperature > 0:
             self.seed = int(torch.randint(0, 2**62, ())) if seed is None else seed
             self.generator = torch.Generator().manual_seed(self.seed)
@@ -96,16 +98,17 @@ class Sampler:
         return warp(logits, self.temperature, self.top_p, self.top_k)
 
     def uniform(self) -> float:
-        """One number uniform in [0, 1)."""
-        return float(torch.rand((), generator=self.generator, dtype=torch.float64))
+        """The next number of the generation's stream, uniform in [0, 1)."""
+        if not self._uniforms:
+            self._uniforms = torch.rand(256, generator=self.generator, dtype=torch.float64).tolist()[::-1]
+        return self._uniforms.pop()
 
     def sample(self, probs: torch.Tensor) -> int:
         """One token from the probability row ``probs`` ``[V]`` (need not be normalised; never a token of
-        probability 0)."""
+        probability 0): the first token whose cumulative probability exceeds u * total."""
         cdf = probs.double().cumsum(-1)
-        target = torch.tensor(self.uniform(), dtype=torch.float64, device=cdf.device) * cdf[-1]
-        token = int(torch.searchsorted(cdf, target.reshape(1), right=True))
-        if token >= probs.shape[-1] or probs[token] <= 0:  # rounding at the very top: the last possible token
+        token = int((cdf <= self.uniform() * float(cdf[-1])).sum())
+        if token >= probs.shape[-1]:  # u * total rounded up to the total: the last possible token
             token = int(torch.nonzero(probs > 0)[-1])
         return token
 
