@@ -23,13 +23,14 @@ Jeon et al.'s Recursive Speculative Decoding, and EAGLE's one-hot treatment of d
 Why it is lossless. One test with candidate c ~ q_j and the residual update emit y with probability
 min(p, q_j)(y) + (1 - sum min(p, q_j)) * max(p - q_j, 0)(y) / sum max(p - q_j, 0) = p(y); the one-hot step is
 the case q_j = e_c. By induction over the candidates of a node, the token emitted there is distributed as p given
-everything drawn before, provided that (a) each drawn candidate is drawn from q_j given the earlier ones, (b) how
-many candidates a node gets, and which ones are deterministic, is fixed before they are drawn (it may depend on the
-committed tokens, the path and other branches, never on the candidates' own values), and (c) whether the walk may
-continue below an accepted candidate (it is verified) does not depend on the draws below it. Drafters and the
-cascade keep (a)-(c): the tree drafter verifies exactly the nodes it expands, chosen before their children are
-drawn, and keeps every drawn candidate in its draw; the cascade turns a pruned drawn node into an unverified
-candidate instead of removing it. Removing it would break (b): the candidate's presence would depend on its value.
+everything drawn before, provided that (a) each drawn candidate is drawn from q_j given the earlier ones, (b) whether
+there is a next candidate to test, and a deterministic candidate's token, never depend on the value of that candidate
+or of the siblings drawn after it (they may depend on the committed tokens, the path, other branches and earlier
+siblings), and (c) whether the walk may continue below an accepted candidate (it is verified) does not depend on
+the draws below it. Drafters and the cascade keep (a)-(c): the tree drafter verifies exactly the nodes it expands,
+chosen before their children are drawn, and keeps every drawn candidate in its draw; the cascade turns a pruned
+drawn node into an unverified candidate instead of removing it (removing it would break (b): the candidate's
+presence would depend on its own value); its corrections are deterministic candidates tested after the drawn ones.
 """
 
 from __future__ import annotations

@@ -114,12 +114,14 @@ class Sampler:
 
     def draw(self, probs: torch.Tensor, count: int) -> list[int]:
         """Up to ``count`` distinct tokens drawn one after another without replacement from ``probs`` ``[V]``
-        (fewer when fewer tokens have probability > 0), in the order drawn."""
-        tokens, rest = [], probs
-        for _ in range(min(count, int((probs > 0).sum()))):
-            tokens.append(self.sample(rest))
-            rest = exclude(rest, tokens[-1])
-        return tokens
+        (fewer when fewer tokens have probability > 0), in the order drawn.
+
+        Gumbel-top-k: the ``count`` largest of log probs + Gumbel noise, in decreasing order, are distributed
+        exactly as sequential draws without replacement (one pass over the vocabulary for all of them)."""
+        count = min(count, int((probs > 0).sum()))
+        uniform = torch.rand(probs.shape[-1], generator=self.generator, dtype=torch.float64).clamp_min(1e-300)
+        keys = probs.double().log() - (-uniform.log()).log().to(probs.device)
+        return torch.topk(keys, count).indices.tolist()
 
     def next_token(self, logits: torch.Tensor) -> int:
         """The token plain decoding chooses from ``logits`` ``[V]``: argmax, or a sample of the warped distribution."""

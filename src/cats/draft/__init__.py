@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cats.draft.base import DecodeState, Drafter, Proposal
+from cats.draft.base import DecodeState, Draw, Drafter, Proposal
 from cats.draft.early_exit import EarlyExitDrafter, default_draft_layer
 from cats.draft.prompt_lookup import PromptLookupDrafter
 from cats.draft.tree_draft import TreeDrafter
@@ -65,6 +65,6 @@ def make_drafter(
 
 
 __all__ = [
-    "DecodeState", "Drafter", "EarlyExitDrafter", "METHODS", "PromptLookupDrafter", "Proposal", "TreeDrafter",
+    "DecodeState", "Draw", "Drafter", "EarlyExitDrafter", "METHODS", "PromptLookupDrafter", "Proposal", "TreeDrafter",
     "check_method", "default_draft_layer", "make_drafter",
 ]

@@ -137,7 +137,7 @@ class TreeDrafter(EarlyExitDrafter):
         tables = [self.node_logits(root, cache)]
         nodes: list[_Node] = []  # every drawn child
         draws: list[tuple[int, list[int], torch.Tensor]] = []  # (parent pool index or -1, children, q)
-        frontier = self._draw_children(nodes, draws, tables[0][0], -1, 0.0, 1, 0, sampler)
+        frontier = self._draw_children(nodes, draws, sampler.probs(tables[0][0]), -1, 0.0, 1, 0, sampler)
         verified: list[int] = []  # pool indices, in cache-slot order
         for depth in range(1, max_depth + 1):
             frontier = sorted(frontier, key=lambda i: (-nodes[i].score, i))[: min(self.tree_topk, self.total_tokens - len(verified))]
@@ -149,8 +149,9 @@ class TreeDrafter(EarlyExitDrafter):
                 break
             first_row = sum(t.shape[0] for t in tables)
             tables.append(logits)
+            probs = sampler.probs(logits)  # q of every frontier node at once
             frontier = [child for row, index in enumerate(frontier)
-                        for child in self._draw_children(nodes, draws, logits[row], index, nodes[index].score, depth + 1,
+                        for child in self._draw_children(nodes, draws, probs[row], index, nodes[index].score, depth + 1,
                                                          first_row + row, sampler)]
         position = {index: i for i, index in enumerate(verified)}
         table = torch.cat(tables)
@@ -164,14 +165,15 @@ class TreeDrafter(EarlyExitDrafter):
                         nodes=[position.get(c) for c in children], probs=q) for parent, children, q in draws],
         )
 
-    def _draw_children(self, nodes: list[_Node], draws: list, logits: torch.Tensor, parent: int, parent_score: float,
+    def _draw_children(self, nodes: list[_Node], draws: list, q: torch.Tensor, parent: int, parent_score: float,
                        depth: int, parent_row: int, sampler) -> list[int]:
-        """Draw ``tree_topk`` children of a node without replacement from q = the warped draft distribution; add
-        them to the pool and their draw to ``draws``; return their pool indices."""
-        q = sampler.probs(logits)
+        """Draw ``tree_topk`` children of a node without replacement from ``q`` (the warped draft distribution
+        there); add them to the pool and their draw to ``draws``; return their pool indices."""
+        tokens = sampler.draw(q, self.tree_topk)
+        log_q = torch.log(q[tokens].double()).tolist()
         added = []
-        for token in sampler.draw(q, self.tree_topk):
-            nodes.append(_Node(token, parent, depth, parent_score + math.log(float(q[token])), parent_row))
+        for token, log_prob in zip(tokens, log_q):
+            nodes.append(_Node(token, parent, depth, parent_score + log_prob, parent_row))
             added.append(len(nodes) - 1)
         draws.append((parent, added, q))
         return added
