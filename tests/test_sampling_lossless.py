@@ -146,3 +146,8 @@ def test_sampled_stats_record_the_warping_and_the_seed(damped):
     again = Generator(damped).generate(PROMPT, GenerationConfig(max_new_tokens=8, temperature=0.9,
                                                                 seed=unseeded.stats.seed))
     assert again.token_ids == unseeded.token_ids
+
+
+def test_an_explicit_sampling_rule_needs_a_temperature(damped):
+    with pytest.raises(InvalidArgumentError, match="samples: set temperature > 0"):
+        Generator(damped, PromptLookupDrafter(), acceptance=SpeculativeSampling()).generate(PROMPT, GenerationConfig())

@@ -180,8 +180,8 @@ class CascadeScorer:
         self._count(parents, tokens, pruned, survivors, target_logits, len(corrections), tick, tock)
         draws = None
         if proposal.draws is not None:  # pruned drawn nodes stay candidates, unverified (module docstring)
-            draws = [Draw(new_index[draw.parent], draw.tokens, [new_index.get(node) for node in draw.nodes], draw.probs)
-                     for draw in proposal.draws if draw.parent in new_index]
+            draws = [Draw(new_index[draw.parent], draw.tokens, [new_index.get(node) for node in draw.nodes],
+                          draw.probs) for draw in proposal.draws if draw.parent in new_index]
         verified = Proposal(tokens=torch.tensor(new_tokens, dtype=torch.long), parents=new_parents,
                             hidden=shallow_hidden, hidden_layer=self.layer, draws=draws)
         return verified, target_logits

@@ -99,6 +99,8 @@ class Generator:
         if acceptance.name == "typical" and self.drafter is None:
             raise InvalidArgumentError(TYPICAL_NEEDS_DRAFTS)
         sampler = Sampler(config.temperature, config.top_p, config.top_k, config.seed)
+        if acceptance.draws_drafts and sampler.greedy:
+            raise InvalidArgumentError(f"acceptance rule {acceptance.name!r} samples: set temperature > 0")
         stats.method, stats.prompt_tokens = self.method, len(prompt_ids)
         stats.record_sampling(acceptance, sampler)
         start = time.perf_counter()

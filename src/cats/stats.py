@@ -72,7 +72,8 @@ class GenerationStats:
 
     def summary_line(self) -> str:
         return (
-            f"[{self.method}, acceptance: {self.acceptance}{self._typical()}, {self.sampling}] {self.new_tokens} tokens in {self.wall_s:.2f} s "
+            f"[{self.method}, acceptance: {self.acceptance}{self._typical()}, {self.sampling}] "
+            f"{self.new_tokens} tokens in {self.wall_s:.2f} s "
             f"({self.tokens_per_s:.1f} tok/s), {self.target_forwards} target forwards, "
             f"mean accepted {self.mean_accepted:.2f}, draft acceptance {self.acceptance_rate:.1%} "
             f"({self.accepted_draft_tokens}/{self.drafted_tokens}), stop: {self.stop_reason}"

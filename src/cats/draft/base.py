@@ -64,7 +64,8 @@ class Proposal:
 
     tokens: torch.Tensor  # [k] drafted token ids d_1..d_k (long, CPU); tree nodes in topological order
     parents: torch.Tensor | None = None  # [k] parent node index of each token, -1 = child of x; None = a chain
-    logits: torch.Tensor | None = None  # [k, V] draft logits behind each d_i (q); None for deterministic drafts
+    logits: torch.Tensor | None = None  # [k, V] draft logits behind each d_i, when the draft has any (the
+    # distribution a sampled token was drawn from is in `draws`)
     hidden: torch.Tensor | None = None  # [1, k+1, H] states after layer `hidden_layer` for [x, d_1..d_k]
     hidden_layer: int = 0  # layers [0, hidden_layer) already ran on [x, d_1..d_k] (their K/V is cached)
     draws: list[Draw] | None = None  # sampled drafts: how the tokens were drawn from q (see `Draw`); None: all

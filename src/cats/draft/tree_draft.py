@@ -140,7 +140,8 @@ class TreeDrafter(EarlyExitDrafter):
         frontier = self._draw_children(nodes, draws, sampler.probs(tables[0][0]), -1, 0.0, 1, 0, sampler)
         verified: list[int] = []  # pool indices, in cache-slot order
         for depth in range(1, max_depth + 1):
-            frontier = sorted(frontier, key=lambda i: (-nodes[i].score, i))[: min(self.tree_topk, self.total_tokens - len(verified))]
+            room = min(self.tree_topk, self.total_tokens - len(verified))
+            frontier = sorted(frontier, key=lambda i: (-nodes[i].score, i))[:room]
             if not frontier or (depth > 1 and self.threshold and math.exp(nodes[frontier[0]].score) < self.threshold):
                 break
             logits = self._run_nodes(nodes, frontier, state, root_slot=committed)
