@@ -28,6 +28,7 @@ class GenerationStats:
     wall_s: float = 0.0
     stop_reason: str = ""
     shallow: dict | None = None  # the cascade's shallow-verifier counters (see cats.cascade), when it ran
+    scheduler: dict | None = None  # the DyTC scheduler's decisions and estimates (see cats.draft.dytc), when it ran
 
     def record_sampling(self, acceptance, sampler) -> None:
         """Record the acceptance rule (`cats.acceptance`) and the `cats.sampling.Sampler` of the generation."""
@@ -79,8 +80,17 @@ class GenerationStats:
             f"({self.accepted_draft_tokens}/{self.drafted_tokens}), stop: {self.stop_reason}"
             + (f"; shallow verifier: kept {self.shallow['keep_rate']:.1%} of drafted nodes, precision "
                f"{self.shallow['precision']:.2f}, recall {self.shallow['recall']:.2f}, "
-               f"{self.shallow['nodes_corrected']} corrections" if self.shallow else "")
+               f"{self.shallow['nodes_corrected']} corrections"
+               + (f", {self.shallow['redraft_passes']} redraft passes" if self.shallow.get("redraft_passes") else "")
+               if self.shallow else "")
+            + (f"; scheduler: {_scheduler_text(self.scheduler)}" if self.scheduler else "")
         )
 
     def _typical(self) -> str:
         return f" tau {self.typical_tau:g} alpha {self.typical_alpha:g}" if self.typical_tau is not None else ""
+
+
+def _scheduler_text(scheduler: dict) -> str:
+    from cats.draft.dytc import summary_text
+
+    return summary_text(scheduler)

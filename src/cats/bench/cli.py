@@ -15,7 +15,7 @@ def add_bench_parser(subparsers) -> None:
     from cats.bench.methods import known_methods
     from cats.bench.prompts import PROMPT_FORMATS
     from cats.bench.runner import TURN_MODES
-    from cats.cli import add_model_arguments, add_sampling_arguments, add_tree_arguments, integer
+    from cats.cli import add_model_arguments, add_sampling_arguments, add_sparsity_argument, add_tree_arguments, integer
 
     bench = subparsers.add_parser(
         "bench", help="benchmark methods and baselines on Spec-Bench / MT-Bench questions",
@@ -47,8 +47,9 @@ def add_bench_parser(subparsers) -> None:
     bench.add_argument("--adapters", default=None,
                        help="trained adapters folder (e.g. adapters/smollm2-135m-instruct): early-exit drafts through "
                             "its draft adapter")
-    bench.add_argument("--threshold", type=float, default=0.0, help="early-exit confidence stop (CATS early-exit)")
+    bench.add_argument("--threshold", type=float, default=0.0, help="confidence stop of CATS early-exit, tree and layer-skip")
     add_tree_arguments(bench)
+    add_sparsity_argument(bench)
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(run=run_bench_command)
 
@@ -75,7 +76,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         settings=MethodSettings(num_draft_tokens=args.num_draft_tokens, draft_layer=args.draft_layer,
                                 max_ngram=args.max_ngram, adapters=args.adapters, threshold=args.threshold,
                                 tree_topk=args.tree_topk, total_tokens=args.total_tokens, depth=args.depth,
-                                sv_threshold=args.sv_threshold,
+                                sv_threshold=args.sv_threshold, sv_passes=args.sv_passes, sparsity=args.sparsity,
                                 sampling=SamplingSettings(args.temperature, args.top_p, args.top_k, args.acceptance,
                                                           args.typical_tau, args.typical_alpha)),
         seed=args.seed,

@@ -117,6 +117,8 @@ def answer_question(method: BenchMethod, question: Question, tokenizer, config: 
             choice["decoding_steps"].append(result.target_forwards)
             if result.shallow is not None:
                 choice.setdefault("shallow", []).append(result.shallow)
+            if result.scheduler is not None:
+                choice.setdefault("scheduler", []).append(result.scheduler)
             conversation.add_answer(prompt_ids, result.token_ids)
     except Exception as error:  # a method's crash on one question must not end the run
         answer["error"] = f"{type(error).__name__}: {error}"

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from cats.draft.base import DecodeState, Draw, Drafter, Proposal
 from cats.draft.early_exit import EarlyExitDrafter, default_draft_layer
+from cats.draft.layer_skip import LayerSkipDrafter, SkipSet
 from cats.draft.prompt_lookup import PromptLookupDrafter
 from cats.draft.tree_draft import TreeDrafter
 from cats.errors import InvalidArgumentError, UnknownMethodError
 from cats.model import LayeredModel
 
-METHODS = ("ar", "pld", "early-exit", "tree", "cats", "cats-no-shallow")
-# cats = draft adapter + dynamic tree + shallow-verifier cascade; cats-no-shallow ablates the cascade
+METHODS = ("ar", "pld", "early-exit", "tree", "cats", "cats-no-shallow", "layer-skip", "dytc")
+# cats = draft adapter + dynamic tree + shallow-verifier cascade; cats-no-shallow ablates the cascade;
+# layer-skip = the target with calibrated sublayers skipped; dytc = a scheduler over prompt lookup, layer-skip
+# drafters in a vertical cascade and (with --adapters) the draft adapter
+LAYER_SKIP_SPARSITY = 0.4
+DYTC_SPARSITIES = (0.4, 0.6)
 
 
 def _draft_adapter(adapters: str | None, model: LayeredModel):
@@ -39,13 +46,34 @@ def make_drafter(
     tree_topk: int = 4,
     total_tokens: int = 16,
     depth: int = 5,
+    sparsity: float | Sequence[float] | None = None,
 ) -> Drafter | None:
     """The drafter for a method name; ``None`` for plain autoregressive decoding (``ar``).
 
     ``adapters``: a folder with trained adapters (``DIR/draft/`` or an adapter folder itself); early exit and
     trees then draft through the draft adapter at its own layer. ``threshold``: their confidence stop.
-    ``tree_topk``, ``total_tokens``, ``depth``: the shape of dynamic draft trees (method ``tree``)."""
+    ``tree_topk``, ``total_tokens``, ``depth``: the shape of dynamic draft trees (method ``tree``).
+    ``sparsity``: layer-skip's fraction of skipped sublayers (default 0.4), or dytc's list of them (default 0.4,
+    0.6); skip sets come from the calibration cache, calibrated on first use (`cats.draft.calibrate`)."""
     check_method(method)
+    if sparsity is not None and method not in ("layer-skip", "dytc"):
+        raise InvalidArgumentError(f"--sparsity applies to layer-skip and dytc, not to {method!r}")
+    if method == "layer-skip" and adapters is not None:
+        raise InvalidArgumentError("--adapters does not apply to layer-skip (it needs no training); use dytc to "
+                                   "combine layer skipping with the draft adapter")
+    if method == "dytc" and threshold:
+        raise InvalidArgumentError("--threshold does not apply to dytc: the scheduler chooses draft lengths itself")
+    if method == "layer-skip":
+        values = _sparsities(sparsity, (LAYER_SKIP_SPARSITY,))
+        if len(values) != 1:
+            raise InvalidArgumentError(f"layer-skip takes one sparsity, got {', '.join(map(str, values))}")
+        return make_layer_skip(model, values[0], num_tokens=num_draft_tokens or 4, threshold=threshold)
+    if method == "dytc":
+        from cats.draft.dytc import make_dytc
+
+        return make_dytc(model, _sparsities(sparsity, DYTC_SPARSITIES), adapter=_draft_adapter(adapters, model),
+                         max_ngram=max_ngram, num_tokens=num_draft_tokens, tree_topk=tree_topk,
+                         total_tokens=total_tokens, depth=depth)
     if method in ("cats", "cats-no-shallow") and adapters is None:
         raise InvalidArgumentError(f"method {method!r} needs --adapters DIR holding trained draft/ and shallow/ adapters "
                                    "(cats train adapter); without adapters use tree or early-exit")
@@ -64,7 +92,31 @@ def make_drafter(
     raise AssertionError(f"method {method!r} is listed in METHODS but has no drafter")
 
 
+def _sparsities(value: float | Sequence[float] | None, default: tuple[float, ...]) -> tuple[float, ...]:
+    if value is None:
+        return default
+    values = (value,) if isinstance(value, (int, float)) else tuple(value)
+    if not values:
+        raise InvalidArgumentError("--sparsity is empty")
+    for v in values:
+        if not 0.0 < float(v) < 1.0:
+            raise InvalidArgumentError(f"sparsity must lie in (0, 1), got {v}")
+    if len(set(values)) != len(values):
+        raise InvalidArgumentError(f"--sparsity repeats a value: {', '.join(map(str, values))}")
+    return tuple(float(v) for v in values)
+
+
+def make_layer_skip(model: LayeredModel, sparsity: float, num_tokens: int = 4, threshold: float = 0.0,
+                    assist: Drafter | None = None) -> LayerSkipDrafter:
+    """A layer-skip drafter with the model's cached (or newly calibrated) skip set at ``sparsity``."""
+    from cats.draft.calibrate import load_or_calibrate
+
+    result = load_or_calibrate(model, sparsity)
+    return LayerSkipDrafter(model, result.skip, num_tokens=num_tokens, assist=assist, threshold=threshold,
+                            sparsity=sparsity, agreement=result.agreement)
+
+
 __all__ = [
-    "DecodeState", "Draw", "Drafter", "EarlyExitDrafter", "METHODS", "PromptLookupDrafter", "Proposal", "TreeDrafter",
-    "check_method", "default_draft_layer", "make_drafter",
+    "DecodeState", "Draw", "Drafter", "EarlyExitDrafter", "LayerSkipDrafter", "METHODS", "PromptLookupDrafter",
+    "Proposal", "SkipSet", "TreeDrafter", "check_method", "default_draft_layer", "make_drafter", "make_layer_skip",
 ]
