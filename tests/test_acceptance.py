@@ -1,6 +1,6 @@
 """Acceptance rules on synthetic distributions: speculative sampling emits exactly the target's distribution for
-drawn chains, drawn trees (siblings without replacement, unverified candidates), one-hot deterministic drafts and
-mixtures, and the same check fails for broken rules (mutants). Typical acceptance by hand; rule selection."""
+drawn chains, drawn trees (siblings without replacement, unverified candidates), deterministic drafts and mixtures,
+and the same check fails for broken rules (mutants). Typical acceptance by hand; rule selection."""
 
 from __future__ import annotations
 
@@ -39,6 +39,14 @@ class NoExclusion(SpeculativeSampling):
         return q
 
 
+class SamePosition(SpeculativeSampling):
+    """Mutant: the target samples every token of a step with the noise of the step's first position."""
+
+    @staticmethod
+    def position(sampler, depth):
+        return sampler.position
+
+
 def chain(sampler):
     """Two drafted tokens, each drawn from q (early exit)."""
     first = sampler.sample(Q0)
@@ -71,8 +79,8 @@ def siblings(sampler):
 
 
 def one_hot(sampler):
-    """A deterministic chain (prompt lookup): 2 then 3, no draws."""
-    return Proposal(tokens=torch.tensor([2, 3]))
+    """A deterministic chain (prompt lookup): 1 then 2, no draws."""
+    return Proposal(tokens=torch.tensor([1, 2]))
 
 
 def mixed(sampler):
@@ -86,16 +94,17 @@ def mixed(sampler):
 
 def emitted_pairs(rule, build, seed: int, trials: int = TRIALS) -> torch.Tensor:
     """Counts ``[V, V]`` of the first two tokens emitted; when a step emits one token, the second comes from plain
-    sampling, as the next step's first token would."""
+    sampling, as the next step's first token would. Trial t emits at sequence positions 2t and 2t + 1."""
     sampler = Sampler(temperature=1.0, seed=seed)
     counts = torch.zeros(V, V, dtype=torch.long)
-    for _ in range(trials):
+    for trial in range(trials):
+        sampler.position = 2 * trial
         proposal = build(sampler)
         rows = [P0] + [P1[token] for token in proposal.tokens.tolist()]  # rows below depth 1 only decide token 3
         verdict = rule.accept(proposal, torch.stack(rows).log(), sampler)
         out = [int(proposal.tokens[node]) for node in verdict.accepted] + [verdict.next_token]
         if len(out) == 1:
-            out.append(sampler.sample(P1[out[0]]))
+            out.append(sampler.token_at(P1[out[0]], 2 * trial + 1))
         counts[out[0], out[1]] += 1
     return counts
 
@@ -109,8 +118,8 @@ def test_speculative_sampling_emits_the_target_distribution(build):
     assert pvalue(emitted_pairs(SpeculativeSampling(), build, seed=1)) > 1e-3
 
 
-@pytest.mark.parametrize("mutant, build", [(NoResidual, chain), (NoResidual, one_hot), (NoResidual, tree),
-                                           (NoExclusion, siblings), (NoExclusion, tree)])
+@pytest.mark.parametrize("mutant, build", [(NoResidual, chain), (NoResidual, tree), (NoExclusion, siblings),
+                                           (NoExclusion, tree), (SamePosition, one_hot)])
 def test_the_check_catches_a_broken_rule(mutant, build):
     assert pvalue(emitted_pairs(mutant(), build, seed=1)) < 1e-6
 

@@ -62,15 +62,34 @@ def test_draws_without_replacement_follow_the_sequential_distribution():
     assert sampler.draw(q, 10) and len(sampler.draw(q, 10)) == 3  # no more tokens than q's support
 
 
+def test_position_keyed_samples_follow_the_distribution_and_depend_on_seed_and_position_only():
+    probs = torch.tensor([0.4, 0.0, 0.25, 0.2, 0.1, 0.05])
+    sampler = Sampler(temperature=1.0, seed=3)
+    tokens = [sampler.token_at(probs, position) for position in range(3000)]
+    counts = torch.bincount(torch.tensor(tokens), minlength=6)
+    assert counts[1] == 0 and chi2_pvalue(counts[probs > 0], probs[probs > 0]) > 1e-3
+    sampler.sample(probs), sampler.draw(probs, 2)  # other draws do not move the position-keyed noise
+    assert [sampler.token_at(probs, position) for position in range(50)] == tokens[:50]
+    assert [Sampler(1.0, seed=4).token_at(probs, position) for position in range(50)] != tokens[:50]
+    # consecutive positions are independent: pairs follow the product distribution
+    pairs = torch.tensor(tokens).view(-1, 2)
+    kept = torch.nonzero(probs > 0).flatten()
+    joint = torch.zeros(6, 6)
+    for a, b in pairs.tolist():
+        joint[a, b] += 1
+    assert chi2_pvalue(joint[kept][:, kept].flatten(), (probs[kept, None] * probs[None, kept]).flatten()) > 1e-3
+
+
 def test_same_seed_same_draws_and_greedy_is_argmax():
     logits = torch.randn(40, generator=torch.Generator().manual_seed(0))
     def tokens(seed):
         sampler = Sampler(0.9, top_p=0.9, seed=seed)
-        return [sampler.next_token(logits) for _ in range(20)]
+        return [sampler.next_token(logits, position) for position in range(20)] + [sampler.sample(sampler.probs(logits))
+                                                                                   for _ in range(20)]
 
     assert tokens(7) == tokens(7) and tokens(7) != tokens(8)
     greedy = Sampler()
-    assert greedy.greedy and greedy.next_token(logits) == int(logits.argmax()) and greedy.seed is None
+    assert greedy.greedy and greedy.next_token(logits, 0) == int(logits.argmax()) and greedy.seed is None
     torch.manual_seed(3)
     drawn = Sampler(1.0).seed
     torch.manual_seed(3)

@@ -114,6 +114,40 @@ def test_same_seed_same_output_for_every_method(damped):
         assert len({tuple(outputs[seed][0]) for seed in (3, 4, 5)}) > 1, name  # the seed matters
 
 
+def test_deterministic_drafts_reproduce_plain_sampling_token_for_token(damped):
+    """Drafts chosen deterministically (prompt lookup, layer skipping, DyTC, whose timing-driven choices vary from run
+    to run) are one-hot candidates: the target's samples are keyed by seed and position, so the output is exactly
+    plain sampling's for the same seed."""
+    from cats.draft import LayerSkipDrafter, SkipSet
+    from cats.draft.dytc import DraftOption, DyTCDrafter
+    from tests.test_dytc import cycling
+
+    adapter = new_adapter(damped, "draft", 1)
+    skip = LayerSkipDrafter(damped, SkipSet(attention=(2,), mlp=(1,)), num_tokens=4,
+                            assist=PromptLookupDrafter(num_tokens=4))
+    options = [DraftOption("skip", skip, 4, 0.7, 0.5),
+               DraftOption("chain", EarlyExitDrafter(damped, adapter=adapter, num_tokens=4), 4, 0.8, 0.4),
+               DraftOption("tree", TreeDrafter(damped, adapter=adapter, tree_topk=2, total_tokens=6, depth=3), 6, 0.8,
+                           0.3, tree=True)]
+    timed = DyTCDrafter(options, lookup=PromptLookupDrafter(num_tokens=6), lookahead_tokens=3)
+    forced = cycling(DyTCDrafter(options, lookup=PromptLookupDrafter(num_tokens=6), lookahead_tokens=3))
+    accepted, chosen = {}, {}
+    for warping in (TOP2, dict(temperature=0.9, top_p=0.95)):
+        for seed in (1, 2):
+            config = GenerationConfig(max_new_tokens=24, ignore_eos=True, seed=seed, **warping)
+            expected = Generator(damped).generate(PROMPT, config).token_ids
+            for name, drafter in (("pld", PromptLookupDrafter(num_tokens=3)), ("skip", skip), ("timed", timed),
+                                  ("forced", forced)):
+                result = Generator(damped, drafter).generate(PROMPT, config)
+                assert result.token_ids == expected, (name, seed, warping)
+                accepted[name] = accepted.get(name, 0) + result.stats.accepted_draft_tokens
+                if name == "forced":
+                    for key, count in result.stats.scheduler["choices"].items():
+                        chosen[key] = chosen.get(key, 0) + count
+    assert accepted["skip"] > 0 and accepted["timed"] > 0 and accepted["forced"] > 0, accepted  # not vacuous
+    assert all(chosen[key] > 0 for key in ("skip", "chain", "tree")), chosen  # the adapter drafts ran too
+
+
 def test_typical_acceptance_is_opt_in_and_labelled_lossy(damped):
     drafter = EarlyExitDrafter(damped, layer=1, num_tokens=3)
     exact = Generator(damped, drafter).generate(PROMPT, GenerationConfig(max_new_tokens=24, ignore_eos=True,

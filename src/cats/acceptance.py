@@ -11,18 +11,22 @@ Speculative sampling, the rule. At the node the walk is at (x first), with p the
 
 1. candidates drawn from q (`cats.draft.Draw`, in the order drawn; q_1 = q, q_{j+1} = q_j without c_j,
    renormalised): accept c_j with probability min(1, p(c_j) / q_j(c_j)); on rejection p <- norm(max(p - q_j, 0));
-2. then deterministic candidates (nodes no draw covers: prompt lookup, the cascade's corrections) as one-hot
-   q = e_c: accept c with probability p(c); on rejection p <- p without c, renormalised;
-3. nothing accepted: the next token is a sample of p, and the step ends. An accepted candidate that is a
-   verified node: the walk moves there and repeats; an unverified one (`Draw.nodes` None) is the step's last token.
+   an accepted verified node: the walk moves there; an unverified one (`Draw.nodes` None) is the step's last token;
+2. none accepted: the target samples y from p (`Sampler.token_at`, Gumbel-max with noise fixed by the seed and
+   y's position). If a verified child carries y (a deterministic candidate: prompt lookup, the cascade's
+   corrections; or a drawn node rejected above) the walk moves there, else y is the step's last token.
+
+Step 2 is the one-hot rule for deterministic candidates (q = e_c accepts c with probability p(c) and otherwise
+samples p without c: together, a sample of p), made with position-keyed noise: a method whose drafts are all
+deterministic emits exactly plain sampling's tokens for the same seed, whatever it drafted.
 
 For a chain this is standard speculative sampling (Leviathan et al.; Chen et al.); for sibling candidates it is
 recursive rejection sampling (SpecInfer's multi-step speculative sampling, with draws without replacement as in
 Jeon et al.'s Recursive Speculative Decoding, and EAGLE's one-hot treatment of deterministic candidates).
 
 Why it is lossless. One test with candidate c ~ q_j and the residual update emit y with probability
-min(p, q_j)(y) + (1 - sum min(p, q_j)) * max(p - q_j, 0)(y) / sum max(p - q_j, 0) = p(y); the one-hot step is
-the case q_j = e_c. By induction over the candidates of a node, the token emitted there is distributed as p given
+min(p, q_j)(y) + (1 - sum min(p, q_j)) * max(p - q_j, 0)(y) / sum max(p - q_j, 0) = p(y), and step 2 samples
+the final residual. By induction over the candidates of a node, the token emitted there is distributed as p given
 everything drawn before, provided that (a) each drawn candidate is drawn from q_j given the earlier ones, (b) whether
 there is a next candidate to test, and a deterministic candidate's token, never depend on the value of that candidate
 or of the siblings drawn after it (they may depend on the committed tokens, the path, other branches and earlier
@@ -106,42 +110,41 @@ class SpeculativeSampling:
     def accept(self, proposal: Proposal, target_logits: torch.Tensor, sampler: Sampler) -> Verdict:
         parents, tokens = _parents(proposal), proposal.tokens.tolist()
         draws: dict[int, list] = {}
-        drawn: set[int] = set()
         for draw in proposal.draws or ():
             draws.setdefault(draw.parent, []).append(draw)
-            drawn.update(node for node in draw.nodes if node is not None)
-        fixed: dict[int, list[int]] = {}  # deterministic candidates: nodes no draw covers
-        for node, parent in enumerate(parents):
-            if node not in drawn:
-                fixed.setdefault(parent, []).append(node)
+        children: dict[int, dict[int, int]] = {}  # verified children by token: where the walk may go on
+        for node, (parent, token) in enumerate(zip(parents, tokens)):
+            children.setdefault(parent, {}).setdefault(token, node)
         path, current = [], -1
         while True:
             p = sampler.probs(target_logits[current + 1])
-            chosen = self._choose(p, draws.get(current, ()), [(tokens[n], n) for n in fixed.get(current, ())], sampler)
-            if isinstance(chosen, int):  # nothing accepted: chosen is the sample of the final residual
-                return Verdict(path, chosen)
-            token, node = chosen
-            if node is None:
-                return Verdict(path, token, next_drafted=True)
+            accepted = self._test_drawn(p, draws.get(current, ()), sampler)
+            if isinstance(accepted, tuple):  # a drawn candidate passed its test
+                token, node = accepted
+                if node is None:
+                    return Verdict(path, token, next_drafted=True)
+            else:  # all rejected (or none drawn): the target's sample of the residual
+                token = sampler.token_at(accepted, self.position(sampler, len(path)))
+                node = children.get(current, {}).get(token)
+                if node is None:
+                    return Verdict(path, token)
             path.append(node)
             current = node
 
-    def _choose(self, p: torch.Tensor, draws, fixed: list[tuple[int, int]], sampler: Sampler):
-        """Test one node's candidates; return the accepted ``(token, node or None)``, or the token sampled from
-        the residual when none is accepted."""
+    def _test_drawn(self, p: torch.Tensor, draws, sampler: Sampler):
+        """Test one node's drawn candidates in order; the accepted ``(token, node or None)``, else the residual."""
         for draw in draws:
             q = draw.probs
             for token, node in zip(draw.tokens, draw.nodes):
                 if self.test(p, q, token, sampler):
                     return token, node
                 p, q = self.residual(p, q), self.without(q, token)
-        for token, node in fixed:
-            q = torch.zeros_like(p)
-            q[token] = 1.0
-            if self.test(p, q, token, sampler):
-                return token, node
-            p = self.residual(p, q)
-        return sampler.sample(p)
+        return p
+
+    @staticmethod
+    def position(sampler: Sampler, depth: int) -> int:
+        """Sequence position of the token emitted after ``depth`` accepted nodes."""
+        return sampler.position + depth
 
     @staticmethod
     def test(p: torch.Tensor, q: torch.Tensor, token: int, sampler: Sampler) -> bool:
@@ -206,7 +209,8 @@ class TypicalAcceptance:
             path.append(best)
             best = parents[best]
         path.reverse()
-        return Verdict(path, sampler.next_token(target_logits[path[-1] + 1 if path else 0]))
+        return Verdict(path, sampler.next_token(target_logits[path[-1] + 1 if path else 0],
+                                                sampler.position + len(path)))
 
 
 def check_acceptance(acceptance: str, typical_tau: float | None, typical_alpha: float | None) -> None:

@@ -109,7 +109,7 @@ class Generator:
         cache = model.new_cache(extra_layers=(self.drafter.cache_layers if self.drafter else 0) + self.scorer.cache_layers)
         state = DecodeState(model, cache, list(prompt_ids), len(prompt_ids),
                             sampler=sampler if acceptance.draws_drafts else None)
-        first = sampler.next_token(self._prefill(state))
+        first = sampler.next_token(self._prefill(state), position=len(prompt_ids))
         state.token_ids.append(first)
         stats.target_forwards, stats.prefill_s = 1, time.perf_counter() - start
         chunk, reason = self._commit([first], stats, eos, config, stop_check)
@@ -127,7 +127,8 @@ class Generator:
             tock = time.perf_counter()
             # 3. verify [x, d_1..d_k] with the full target in one forward (the cascade may prune and extend it first)
             verified, target_logits = self.scorer.score(state, proposal, max_tokens=budget)
-            # 4. accept
+            # 4. accept (the token after x is at sequence position len(token_ids))
+            sampler.position = len(state.token_ids)
             verdict = acceptance.accept(verified, target_logits, sampler)
             # 5. roll back: keep x and the accepted drafts in every layer; the new token is pending
             accepted = verdict.accepted

@@ -5,11 +5,16 @@ divide the logits by the temperature, keep the ``top_k`` largest (ties at the cu
 of most likely tokens whose probability reaches ``top_p``. Plain sampling draws from `warp` of the target's logits;
 every speculative method keeps exactly that distribution (see `cats.acceptance`).
 
-One `Sampler` per generation owns one ``torch.Generator`` seeded from ``seed``: every random draw of a generation
-(the first token, draft tokens, acceptance tests, residual samples) comes from it, so the same seed gives the same
-output for every method. A draw from a probability row uses one uniform number and the inverse CDF, computed in
-float64 on the row's device, so it needs no generator on that device. Uniform numbers are drawn from the generator
-in blocks (the sequence is the same as one at a time).
+One `Sampler` per generation, seeded from ``seed``, makes every random choice of a generation, so the same seed gives
+the same output for every method:
+
+* the target's own samples (`token_at`: plain decoding's tokens, the token after a rejection) are Gumbel-max draws
+  whose noise depends only on the seed and the token's position in the sequence. A method whose drafts are
+  deterministic therefore emits exactly plain sampling's tokens for the same seed, whatever it drafted;
+* draft draws and acceptance tests (`sample`, `draw`, `uniform`) come from one ``torch.Generator`` seeded from
+  ``seed``; uniform numbers are drawn from it in blocks (the same sequence as one at a time).
+
+Draws are computed in float64 on the row's device from noise made on the CPU, so no generator is needed there.
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ class Sampler:
         self.seed: int | None = None
         self.generator: torch.Generator | None = None
         self._uniforms: list[float] = []
+        self.position = 0  # sequence position of the token after the pending one (the decode loop keeps it)
         if temperature > 0:
             self.seed = int(torch.randint(0, 2**62, ())) if seed is None else seed
             self.generator = torch.Generator().manual_seed(self.seed)
@@ -123,9 +129,18 @@ class Sampler:
         keys = probs.double().log() - (-uniform.log()).log().to(probs.device)
         return torch.topk(keys, count).indices.tolist()
 
-    def next_token(self, logits: torch.Tensor) -> int:
-        """The token plain decoding chooses from ``logits`` ``[V]``: argmax, or a sample of the warped distribution."""
-        return int(logits.argmax()) if self.greedy else self.sample(self.probs(logits))
+    def token_at(self, probs: torch.Tensor, position: int) -> int:
+        """The target's sample from ``probs`` ``[V]`` for the token at sequence position ``position``: the argmax of
+        log probs + Gumbel noise drawn from (seed, position) alone. Distributed as ``probs`` (Gumbel-max), and the
+        same token for the same probabilities, seed and position, whatever happened before."""
+        noise = torch.Generator().manual_seed(_mix(self.seed, position))
+        uniform = torch.rand(probs.shape[-1], generator=noise, dtype=torch.float64).clamp_min(1e-300)
+        return int((probs.double().log() - (-uniform.log()).log().to(probs.device)).argmax())
+
+    def next_token(self, logits: torch.Tensor, position: int) -> int:
+        """The token plain decoding chooses from ``logits`` ``[V]`` at ``position``: the argmax, or `token_at` of
+        the warped distribution."""
+        return int(logits.argmax()) if self.greedy else self.token_at(self.probs(logits), position)
 
     def describe(self) -> str:
         if self.greedy:
@@ -136,3 +151,11 @@ class Sampler:
         if self.top_k:
             parts.append(f"top-k {self.top_k}")
         return ", ".join(parts + [f"seed {self.seed}"])
+
+
+def _mix(seed: int, position: int) -> int:
+    """A seed for the noise of one sequence position (splitmix64 of seed and position), in [0, 2**63)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return (z ^ (z >> 31)) >> 1
