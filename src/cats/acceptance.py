@@ -25,16 +25,17 @@ recursive rejection sampling (SpecInfer's multi-step speculative sampling, with 
 Jeon et al.'s Recursive Speculative Decoding, and EAGLE's one-hot treatment of deterministic candidates).
 
 Why it is lossless. One test with candidate c ~ q_j and the residual update emit y with probability
-min(p, q_j)(y) + (1 - sum min(p, q_j)) * max(p - q_j, 0)(y) / sum max(p - q_j, 0) = p(y), and step 2 samples
-the final residual. By induction over the candidates of a node, the token emitted there is distributed as p given
-everything drawn before, provided that (a) each drawn candidate is drawn from q_j given the earlier ones, (b) whether
-there is a next candidate to test, and a deterministic candidate's token, never depend on the value of that candidate
-or of the siblings drawn after it (they may depend on the committed tokens, the path, other branches and earlier
-siblings), and (c) whether the walk may continue below an accepted candidate (it is verified) does not depend on
-the draws below it. Drafters and the cascade keep (a)-(c): the tree drafter verifies exactly the nodes it expands,
-chosen before their children are drawn, and keeps every drawn candidate in its draw; the cascade turns a pruned
-drawn node into an unverified candidate instead of removing it (removing it would break (b): the candidate's
-presence would depend on its own value); its corrections are deterministic candidates tested after the drawn ones.
+min(p, q_j)(y) + (1 - sum min(p, q_j)) * max(p - q_j, 0)(y) / sum max(p - q_j, 0) = p(y), and step 2 samples the
+final residual. By induction over a node's drawn candidates, the token emitted there is distributed as p given
+everything before, provided that (a) each drawn candidate is drawn from q_j given the earlier ones, (b) how many
+candidates are drawn never depends on their own values (it may depend on the committed tokens, the path and other
+branches), (c) whether the walk may continue below the emitted token (a verified child carries it) does not depend
+on the draws below that child, and (d) the noise of the target's sample at a position serves that position only and
+no drafter sees it. Deterministic children need nothing more: they only decide where the walk continues. Drafters
+and the cascade keep (a)-(d): the tree drafter verifies exactly the nodes it expands, chosen before their children
+are drawn, and keeps every drawn candidate in its draw; the cascade turns a pruned drawn node into an unverified
+candidate instead of removing it (removing it would break (b): the candidate's presence would depend on its own
+value), and its corrections and redrafts are deterministic children.
 """
 
 from __future__ import annotations

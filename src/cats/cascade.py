@@ -19,9 +19,8 @@ unchanged (lossless); the cascade only decides which nodes the deep layers spend
 Under speculative sampling the drafted nodes were drawn from q (`Proposal.draws`). Removing a drawn node because
 of its own token would bias the test of its siblings, so a pruned drawn node stays in its parent's draw as an
 *unverified* candidate: the deep layers skip it and its subtree, and if the target accepts it, it is the step's last
-token. Corrections and redrafted chains are deterministic candidates (one-hot q), tested after the drawn ones; they
-depend only on tokens drawn before the test reaches them. Both keep the output's distribution exactly that of plain
-sampling (see `cats.acceptance`).
+token. Corrections and redrafted chains are deterministic children: the walk goes on below one when the target's
+own sample is its token. Both keep the output's distribution exactly that of plain sampling (see `cats.acceptance`).
 
 Counters per generation (`ShallowCounts`): for every drafted node whose parent the target verified, the shallow
 decision (keep / prune) against the target's (the node's token is the target's choice at its parent): TP = kept
