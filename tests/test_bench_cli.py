@@ -100,8 +100,8 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert "selection is empty" in error_line(["--questions", str(SPEC_BENCH), "--limit", "0", *out], capsys)
     assert "unknown method 'nope'; known methods: ar" in error_line(
         ["--questions", str(SPEC_BENCH), "--methods", "ar,nope", *out], capsys)
-    assert "--temperature 0.7 is not implemented" in error_line(
-        ["--questions", str(SPEC_BENCH), "--temperature", "0.7", *out], capsys)
+    assert "temperature must be a number >= 0" in error_line(
+        ["--questions", str(SPEC_BENCH), "--temperature", "-0.7", *out], capsys)
     assert "needs --out" in error_line(["--questions", str(SPEC_BENCH)], capsys)
     blocker = tmp_path / "file"
     blocker.write_text("")
