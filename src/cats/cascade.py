@@ -109,7 +109,7 @@ class CascadeScorer:
     cache_layers = 1
 
     def __init__(self, model: LayeredModel, shallow: Adapter, drafter: EarlyExitDrafter | None = None,
-                 sv_threshold: float = 0.05, corrections: bool = True, sv_passes: int = 1):
+                 sv_threshold: float = 0.2, corrections: bool = True, sv_passes: int = 1):
         self.model, self.shallow, self.drafter = model, shallow, drafter
         self.layer = shallow.config.layer
         if drafter is not None and drafter.layer >= self.layer:
@@ -383,7 +383,7 @@ class _ShallowTree:
         return node
 
 
-def make_scorer(method: str, model: LayeredModel, drafter, adapters: str | None = None, sv_threshold: float = 0.05,
+def make_scorer(method: str, model: LayeredModel, drafter, adapters: str | None = None, sv_threshold: float = 0.2,
                 sv_passes: int = 1):
     """The scorer a method verifies with: the cascade for ``cats`` (its shallow adapter from ``adapters``), else the
     plain target."""

@@ -47,7 +47,7 @@ def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
                         "nodes expanded per depth (1 = a chain)")
     parser.add_argument("--total-tokens", type=integer, default=16, help="tree/cats: nodes kept for verification")
     parser.add_argument("--depth", type=integer, default=5, help="tree/cats: maximum depth")
-    parser.add_argument("--sv-threshold", type=float, default=0.05,
+    parser.add_argument("--sv-threshold", type=float, default=0.2,
                         help="cats: the shallow verifier prunes nodes it gives a probability below this")
     parser.add_argument("--sv-passes", type=integer, default=1,
                         help="cats: shallow passes per deep pass; each extra one redrafts a chain from the shallow "

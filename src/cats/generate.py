@@ -262,7 +262,7 @@ def generate(
     total_tokens: int = 16,
     depth: int = 5,
     sparsity: float | Sequence[float] | None = None,
-    sv_threshold: float = 0.05,
+    sv_threshold: float = 0.2,
     sv_passes: int = 1,
     chat: bool = False,
     stop: Sequence[str] = (),

@@ -119,7 +119,7 @@ class MethodSettings:
     tree_topk: int = 4
     total_tokens: int = 16
     depth: int = 5
-    sv_threshold: float = 0.05  # the cascade's pruning threshold (method cats)
+    sv_threshold: float = 0.2  # the cascade's pruning threshold (method cats)
     sv_passes: int = 1  # the cascade's shallow passes per deep pass (method cats)
     sparsity: tuple[float, ...] | None = None  # layer-skip / dytc sparsities (None: their defaults)
     threads: int = 1
