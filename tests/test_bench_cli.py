@@ -64,7 +64,7 @@ def test_summary_schema(bench_run):
     summary = json.loads((out / "summary.json").read_text())
     assert {"model", "dtype", "threads", "questions", "max_new_tokens", "methods"} <= set(summary)
     assert summary["questions"] == 2 and summary["max_new_tokens"] == 16 and summary["threads"] == 1
-    assert summary["baseline"] in ("ar", "hf-ar") and summary["acceptance"] == "greedy"
+    assert summary["baseline"] in ("ar", "hf-ar") and summary["acceptance"] == "exact"
     assert set(summary["methods"]) == set(METHODS.split(","))
     # skipped either way: llama-cpp-python is not installed, or this HF folder is not a GGUF model
     assert summary["skipped"]["llama-cpp"]
@@ -100,8 +100,8 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert "selection is empty" in error_line(["--questions", str(SPEC_BENCH), "--limit", "0", *out], capsys)
     assert "unknown method 'nope'; known methods: ar" in error_line(
         ["--questions", str(SPEC_BENCH), "--methods", "ar,nope", *out], capsys)
-    assert "--temperature 0.7 is not implemented" in error_line(
-        ["--questions", str(SPEC_BENCH), "--temperature", "0.7", *out], capsys)
+    assert "temperature must be a number >= 0" in error_line(
+        ["--questions", str(SPEC_BENCH), "--temperature", "-0.7", *out], capsys)
     assert "needs --out" in error_line(["--questions", str(SPEC_BENCH)], capsys)
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -141,12 +141,12 @@ def test_a_crash_on_one_question_is_recorded_and_the_run_goes_on(tmp_path, monke
 
     real_generate, pld_calls = methods.CatsMethod.generate, []
 
-    def fragile_generate(self, prompt_ids, max_new_tokens):
+    def fragile_generate(self, prompt_ids, max_new_tokens, seed=None):
         if self.name == "pld":
             pld_calls.append(prompt_ids)
             if len(pld_calls) == 3:  # warm-up, question 81, then question 82 crashes
                 raise RuntimeError("drafter exploded")
-        return real_generate(self, prompt_ids, max_new_tokens)
+        return real_generate(self, prompt_ids, max_new_tokens, seed)
 
     monkeypatch.setattr(methods.CatsMethod, "generate", fragile_generate)
     out = tmp_path / "out"
@@ -169,11 +169,11 @@ def test_an_interrupted_run_leaves_nothing_that_looks_complete(tmp_path, monkeyp
     (out / "summary.json").write_text("{}")
     real_generate, calls = methods.CatsMethod.generate, []
 
-    def interrupted_generate(self, prompt_ids, max_new_tokens):
+    def interrupted_generate(self, prompt_ids, max_new_tokens, seed=None):
         calls.append(self.name)
         if len(calls) == 3:  # warm-up, question 81, then Ctrl-C during question 82
             raise KeyboardInterrupt
-        return real_generate(self, prompt_ids, max_new_tokens)
+        return real_generate(self, prompt_ids, max_new_tokens, seed)
 
     monkeypatch.setattr(methods.CatsMethod, "generate", interrupted_generate)
     assert main(["bench", *BASE_ARGS, "--methods", "ar", "--out", str(out)]) == 130

@@ -50,7 +50,7 @@ def answers(tmp_path):
 
 def test_speedup_and_mean_accepted_by_hand(answers):
     summary = summarize(answers, RUN, peak_rss_mb={"ar": 100.0})
-    assert SUMMARY_KEYS <= set(summary) and summary["baseline"] == "ar" and summary["acceptance"] == "greedy"
+    assert SUMMARY_KEYS <= set(summary) and summary["baseline"] == "ar" and summary["acceptance"] == "exact"
     pld = summary["methods"]["pld"]
     assert METHOD_KEYS <= set(pld)
     # Spec-Bench: mean(10, 2.5) / mean(5, 5) = 6.25 / 5 = 1.25

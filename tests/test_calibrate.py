@@ -140,7 +140,7 @@ def test_calibrate_command(capsys, tmp_path):
         assert main(["generate", "--model", str(STORIES_HF), "--prompt", "Once upon a time", "--method", method,
                      "--max-new-tokens", "24", "--stats", "--json", *extra]) == 0
         captured = capsys.readouterr()
-        assert "calibrating" not in captured.err and f"[{method}, acceptance: greedy]" in captured.err
+        assert "calibrating" not in captured.err and f"[{method}, acceptance: exact, greedy]" in captured.err
         tokens[method] = json.loads(captured.out.strip().splitlines()[-1])["token_ids"]
     assert tokens["ar"] == tokens["layer-skip"] == tokens["dytc"]
     assert "scheduler: chose" in captured.err

@@ -26,7 +26,7 @@ def test_generate_streams_text_and_prints_json_last():
         assert set(data) == {"text", "token_ids", "prompt_token_ids", "stats"}
         assert "\n".join(lines[:-1]) == data["text"]
         assert len(data["token_ids"]) == data["stats"]["new_tokens"] == 24
-        assert f"[{method}, acceptance: greedy]" in proc.stderr
+        assert f"[{method}, acceptance: exact, greedy]" in proc.stderr
         runs[method] = data["token_ids"]
     assert runs["ar"] == runs["pld"] == runs["early-exit"]
 

@@ -111,7 +111,7 @@ def test_models_and_health(client):
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["stories"]
     card = models["data"][0]["cats"]
-    assert card["method"] == "pld" and card["acceptance"] == "greedy" and card["context_length"] == 2048
+    assert card["method"] == "pld" and card["acceptance"] == "exact" and card["context_length"] == 2048
     assert card["sampling_available"] == sampling_available()
     assert card["default_temperature"] == default_temperature()
     assert client.get("/v1/models/stories").json()["id"] == "stories"
@@ -132,7 +132,7 @@ def test_chat_completion_is_the_greedy_output(client, model):
     prompt_tokens = len(chat_ids(model))
     assert data["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 24, "total_tokens": prompt_tokens + 24}
     stats = data["cats"]
-    assert stats["method"] == "pld" and stats["acceptance"] == "greedy" and stats["new_tokens"] == 24
+    assert stats["method"] == "pld" and stats["acceptance"] == "exact" and stats["new_tokens"] == 24
     assert stats["mean_accepted"] >= 1.0 and stats["tokens_per_s"] > 0 and stats["temperature"] == 0.0
     assert stats["target_forwards"] == stats["decode_steps"] + 1
 

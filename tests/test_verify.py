@@ -47,4 +47,4 @@ def test_stats_hand_computed():
     assert stats.tokens_per_s == 3.5
     data = stats.to_dict()
     assert data["mean_accepted"] == 2.0 and data["acceptance_rate"] == 0.375 and data["decode_steps"] == 3
-    assert "acceptance: greedy" in stats.summary_line()
+    assert "[ar, acceptance: exact, greedy]" in stats.summary_line()

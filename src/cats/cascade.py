@@ -16,6 +16,12 @@ For a drafted tree (or chain) over ``[x, n_0 .. n_{k-1}]`` whose states after la
 No layer runs twice for the same node, and the full target still decides every token, so greedy output is
 unchanged (lossless); the cascade only decides which nodes the deep layers spend their time on.
 
+Under speculative sampling the drafted nodes were drawn from q (`Proposal.draws`). Removing a drawn node because
+of its own token would bias the test of its siblings, so a pruned drawn node stays in its parent's draw as an
+*unverified* candidate: the deep layers skip it and its subtree, and if the target accepts it, it is the step's last
+token. Corrections and redrafted chains are deterministic children: the walk goes on below one when the target's
+own sample is its token. Both keep the output's distribution exactly that of plain sampling (see `cats.acceptance`).
+
 Counters per generation (`ShallowCounts`): for every drafted node whose parent the target verified, the shallow
 decision (keep / prune) against the target's (the node's token is the target's choice at its parent): TP = kept
 and right, FP = kept and wrong, TN = pruned and wrong, FN = pruned and right; nodes whose parent was pruned too have
@@ -30,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from cats.draft.adapter import Adapter
-from cats.draft.base import DecodeState, Proposal
+from cats.draft.base import DecodeState, Draw, Proposal
 from cats.draft.early_exit import EarlyExitDrafter
 from cats.errors import InvalidArgumentError
 from cats.model import LayeredModel
@@ -152,7 +158,11 @@ class CascadeScorer:
         shallow_probs = self._shallow_probs(hidden, cache, positions, attend)
         # 3. prune and correct; the cache's shallow layers keep the survivors, corrections join them
         tree = _ShallowTree(states=[hidden[0, 0]], choices=[int(shallow_probs[0].argmax())])
-        self._check(state, tree, tokens.tolist(), parents.tolist(), shallow_probs, hidden, parent_map={-1: -1})
+        drawn: dict[int, set[int]] = {}  # drawn candidates per parent, verified or not: no correction repeats them
+        for draw in proposal.draws or ():
+            drawn.setdefault(draw.parent, set()).update(draw.tokens)
+        index = self._check(state, tree, tokens.tolist(), parents.tolist(), shallow_probs, hidden, parent_map={-1: -1},
+                            drawn=drawn)
         # 4. more shallow passes: redraft from the shallow verifier's choice after the end of its own path
         if self.sv_passes > 1 and self.drafter is not None:
             room = self.drafter.num_tokens if max_tokens is None else max_tokens
@@ -171,8 +181,12 @@ class CascadeScorer:
                                     attend=new_attend)
         target_logits = model.head(deep[0])
         self._count(tree, target_logits, tick, tock)
+        draws = None
+        if proposal.draws is not None:  # pruned drawn nodes stay candidates, unverified (module docstring)
+            draws = [Draw(index[draw.parent], draw.tokens, [index.get(node) for node in draw.nodes], draw.probs)
+                     for draw in proposal.draws if draw.parent in index]
         verified = Proposal(tokens=torch.tensor(tree.tokens, dtype=torch.long), parents=new_parents,
-                            hidden=shallow_hidden, hidden_layer=self.layer)
+                            hidden=shallow_hidden, hidden_layer=self.layer, draws=draws)
         return verified, target_logits
 
     def _shallow_probs(self, hidden: torch.Tensor, cache, positions, attend) -> torch.Tensor:
@@ -188,15 +202,17 @@ class CascadeScorer:
 
     def _check(self, state: DecodeState, tree: "_ShallowTree", tokens: list[int], parents: list[int],
                shallow_probs: torch.Tensor, hidden: torch.Tensor, parent_map: dict[int, int],
-               first_is_correction: bool = False) -> None:
+               first_is_correction: bool = False, drawn: dict[int, set[int]] | None = None) -> dict[int, int]:
         """Add checked nodes to ``tree``. ``tokens``/``parents`` are new nodes (parents: earlier new nodes by
         index, or tree nodes via ``parent_map``); their shallow-layer slots were appended to the cache after the
         tree's, ``hidden`` holds their states after L_sv (row 0: the node the batch hangs from, already in the tree,
         when ``parent_map`` maps -1 to it) and ``shallow_probs`` the verifier's distribution after each row.
 
         (a) a node whose token the verifier gives a probability below ``sv_threshold`` is pruned with its subtree;
-        (b) where the verifier's top token after a kept node (or the batch root) is none of its children, it is
-        added as a correction branch."""
+        (b) where the verifier's top token after a kept node (or the batch root) is none of its children (nor of
+        its ``drawn`` candidates, by batch parent), it is added as a correction branch.
+
+        Returns the map from batch index (and -1) to tree index; pruned nodes are not in it."""
         committed, count, cache = state.committed_length, len(tokens), state.cache
         base = len(tree.tokens)  # tree nodes before this batch (their slots precede the batch's)
         pruned = []
@@ -220,14 +236,17 @@ class CascadeScorer:
                 continue
             tree.record(tokens[node], index.get(parents[node]), pruned[node])
         if not self.corrections:
-            return
+            return index
         children: dict[int, set[int]] = {}
         for node in range(count):
             children.setdefault(parents[node], set()).add(tokens[node])
+        for parent, drawn_tokens in (drawn or {}).items():
+            children.setdefault(parent, set()).update(drawn_tokens)
         corrections = [(index[parent], tree.choices[index[parent] + 1]) for parent in [-1] + survivors
                        if parent in children and tree.choices[index[parent] + 1] not in children[parent]]
         if corrections:
             self._add_corrections(state, tree, corrections)
+        return index
 
     def _add_corrections(self, state: DecodeState, tree: "_ShallowTree", corrections: list[tuple[int, int]]) -> None:
         """Correction nodes ``(tree parent, token)`` through ``[0, L_sv)`` and both adapters (keeping their caches in

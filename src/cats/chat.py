@@ -17,9 +17,11 @@ HELP = "/reset clears the history, /exit (or Ctrl-D) quits, Ctrl-C stops an answ
 
 class ChatSession:
     """A conversation with one model: each answer sees the whole history (oldest turns are dropped when the
-    history no longer fits into the context window)."""
+    history no longer fits into the context window). ``sampling``: temperature, top_p, seed (default: greedy, as
+    ``cats chat``)."""
 
     def __init__(self, generator: Generator, system: str | None = None, max_new_tokens: int = 512, **sampling):
+        sampling.setdefault("temperature", 0.0)
         self.generator, self.model = generator, generator.model
         self.system, self.max_new_tokens, self.sampling = system, max_new_tokens, sampling
         make_config(max_new_tokens, **sampling)  # fail on bad settings before the first question

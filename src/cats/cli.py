@@ -116,6 +116,31 @@ def build_generator(args, model):
     return Generator(model, drafter, method=method, scorer=scorer)
 
 
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """--temperature --top-p --top-k --seed and the acceptance rule (checked by the API, as `GenerationConfig`)."""
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 = greedy (default); > 0 samples, and every method keeps plain sampling's distribution")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens up to "
+                        "this probability mass (default 1 = off; needs --temperature > 0)")
+    parser.add_argument("--top-k", type=integer, default=0, help="keep the K most likely tokens (default 0 = off; "
+                        "needs --temperature > 0)")
+    parser.add_argument("--seed", type=integer, default=None, help="random seed of a sampled generation (same seed, "
+                        "same output; needs --temperature > 0)")
+    parser.add_argument("--acceptance", default="exact",
+                        help="exact (default: lossless) or typical (Medusa's posterior threshold: LOSSY, faster; "
+                        "every report then says 'typical (lossy)')")
+    parser.add_argument("--typical-tau", type=float, default=None,
+                        help="--acceptance typical: accept a draft token whose target probability exceeds "
+                        "min(tau, alpha * exp(-entropy)); default tau 0.09")
+    parser.add_argument("--typical-alpha", type=float, default=None, help="--acceptance typical: default alpha 0.3")
+
+
+def sampling_config(args) -> dict:
+    """The `GenerationConfig` keywords of the sampling arguments."""
+    return dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                acceptance=args.acceptance, typical_tau=args.typical_tau, typical_alpha=args.typical_alpha)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cats", description="CATS: lossless self-speculative decoding")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -126,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the chat template (prompt = one user message)")
     gen.add_argument("--system", default=None, help="system message, with --chat")
     add_method_arguments(gen)
+    add_sampling_arguments(gen)
     gen.add_argument("--max-new-tokens", type=integer, default=128)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
@@ -187,12 +213,15 @@ class TextStreamer:
 
 def run_generate(args) -> int:
     import cats
+    from cats.acceptance import TYPICAL_NEEDS_DRAFTS
     from cats.generate import GenerationConfig, encode_prompt
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+                              **sampling_config(args))
     config.validate()  # fail on bad arguments before the model loads
-    method_from_args(args)
+    if method_from_args(args) == "ar" and config.acceptance == "typical":
+        raise InvalidArgumentError(TYPICAL_NEEDS_DRAFTS)
     model = cats.load(args.model or default_model(), dtype=args.dtype)
     generator = build_generator(args, model)
     prompt_ids = encode_prompt(model, prompt, chat=args.chat, system=args.system)

@@ -1,8 +1,9 @@
 """From the settings a user asks for (server request, chat flags) to a `GenerationConfig`.
 
 Sampling (temperature, top_p, top_k, seed) is passed on only where this build's `GenerationConfig` has those
-fields. Where it has not, a request for temperature > 0 is refused, never decoded greedily behind the user's back;
-top_p, top_k and seed alone are accepted with temperature 0, since greedy decoding does not depend on them."""
+fields. Where it has not, a request for temperature > 0 is refused, never decoded greedily behind the user's back.
+top_p, top_k and seed alone are accepted with temperature 0 (OpenAI's API accepts them), since greedy decoding does
+not depend on them; they are not passed on then."""
 
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ def make_config(
         sampling = {name: value for name, value in
                     (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed))
                     if value is not None}
+        if temperature == 0:  # greedy: top_p, top_k and seed change nothing (GenerationConfig refuses them there)
+            sampling = {"temperature": 0.0}
     elif temperature > 0:
         raise OptionError(f"temperature {temperature:g} asks for sampling, which this build of CATS does not have "
                           "yet: use temperature 0 (greedy decoding)", "temperature")

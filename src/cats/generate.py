@@ -2,6 +2,10 @@
 
 The loop does not know which drafter it runs: a drafter returns a `Proposal`, the target scores it in one
 forward, an acceptance rule returns a `Verdict`, and the cache is cut back to the committed tokens.
+
+Greedy (temperature 0) or sampled (temperature > 0, top-p, top-k, seed): one `Sampler` per generation makes
+every token choice and random draw; the acceptance rule (`cats.acceptance`) keeps the output exactly plain
+greedy decoding or plain sampling, unless typical acceptance (lossy) is asked for.
 """
 
 from __future__ import annotations
@@ -12,12 +16,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cats.acceptance import TYPICAL_NEEDS_DRAFTS, check_acceptance, make_acceptance
 from cats.cascade import make_scorer
 from cats.draft import DecodeState, Drafter, Proposal, make_drafter
 from cats.errors import InvalidArgumentError, PromptTooLongError
 from cats.model import LayeredModel
+from cats.sampling import Sampler, check_sampling
 from cats.stats import GenerationStats
-from cats.verify import GreedyAcceptance, TargetScorer
+from cats.verify import TargetScorer
 
 
 @dataclass
@@ -28,14 +34,24 @@ class GenerationConfig:
     stop: Sequence[str] = ()  # stop strings: generation ends after the token that completes one (kept in output)
     eos_token_ids: set[int] | None = None  # None: the model's own end-of-sequence ids
     ignore_eos: bool = False
+    temperature: float = 0.0  # 0 = greedy; > 0 = sample from the warped distribution
+    top_p: float = 1.0  # nucleus filtering (1 = off)
+    top_k: int = 0  # top-k filtering (0 = off)
+    seed: int | None = None  # seed of the generation's random stream (None: drawn from torch's global generator)
+    acceptance: str = "exact"  # "exact" (lossless) or "typical" (Medusa's posterior threshold; lossy, opt-in)
+    typical_tau: float | None = None  # typical acceptance: hard threshold (None: 0.09)
+    typical_alpha: float | None = None  # typical acceptance: entropy-scaled threshold factor (None: 0.3)
 
     def validate(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
             raise InvalidArgumentError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         if any(not s for s in self.stop):
             raise InvalidArgumentError("stop strings must not be empty")
+        check_sampling(self.temperature, self.top_p, self.top_k, self.seed)
+        check_acceptance(self.acceptance, self.typical_tau, self.typical_alpha)
+        make_acceptance(self.acceptance, self.temperature, self.typical_tau, self.typical_alpha)  # range checks
 
 
 @dataclass
@@ -51,14 +67,17 @@ class GenerationResult:
 
 
 class Generator:
-    """Decodes one sequence at a time with an optional drafter (``None``: plain autoregressive decoding)."""
+    """Decodes one sequence at a time with an optional drafter (``None``: plain autoregressive decoding).
+
+    ``acceptance``: a rule object (`cats.acceptance`) used for every generation; None (the default) picks the rule
+    from each `GenerationConfig` (greedy, speculative sampling or typical)."""
 
     def __init__(self, model: LayeredModel, drafter: Drafter | None = None, acceptance=None, method: str | None = None,
                  scorer=None):
         self.model = model
         self.drafter = drafter
         self.scorer = scorer or TargetScorer()
-        self.acceptance = acceptance or GreedyAcceptance()
+        self.acceptance = acceptance
         self.method = method or (drafter.name if drafter else "ar")
 
     @torch.inference_mode()
@@ -75,13 +94,22 @@ class Generator:
             )
         eos = set() if config.ignore_eos else (config.eos_token_ids if config.eos_token_ids is not None else model.eos_token_ids)
         stop_check = _StopStrings(model.tokenizer, config.stop) if config.stop else None
-        stats.method, stats.acceptance, stats.prompt_tokens = self.method, self.acceptance.name, len(prompt_ids)
+        acceptance = self.acceptance or make_acceptance(config.acceptance, config.temperature, config.typical_tau,
+                                                        config.typical_alpha)
+        if acceptance.name == "typical" and self.drafter is None:
+            raise InvalidArgumentError(TYPICAL_NEEDS_DRAFTS)
+        sampler = Sampler(config.temperature, config.top_p, config.top_k, config.seed)
+        if acceptance.draws_drafts and sampler.greedy:
+            raise InvalidArgumentError(f"acceptance rule {acceptance.name!r} samples: set temperature > 0")
+        stats.method, stats.prompt_tokens = self.method, len(prompt_ids)
+        stats.record_sampling(acceptance, sampler)
         start = time.perf_counter()
 
         # 1. prefill: the whole prompt in one forward; its last row gives the first new token (pending, uncached)
         cache = model.new_cache(extra_layers=(self.drafter.cache_layers if self.drafter else 0) + self.scorer.cache_layers)
-        state = DecodeState(model, cache, list(prompt_ids), len(prompt_ids))
-        first = self._prefill(state)
+        state = DecodeState(model, cache, list(prompt_ids), len(prompt_ids),
+                            sampler=sampler if acceptance.draws_drafts else None)
+        first = sampler.next_token(self._prefill(state), position=len(prompt_ids))
         state.token_ids.append(first)
         stats.target_forwards, stats.prefill_s = 1, time.perf_counter() - start
         chunk, reason = self._commit([first], stats, eos, config, stop_check)
@@ -99,8 +127,9 @@ class Generator:
             tock = time.perf_counter()
             # 3. verify [x, d_1..d_k] with the full target in one forward (the cascade may prune and extend it first)
             verified, target_logits = self.scorer.score(state, proposal, max_tokens=budget)
-            # 4. accept
-            verdict = self.acceptance.accept(verified, target_logits)
+            # 4. accept (the token after x is at sequence position len(token_ids))
+            sampler.position = len(state.token_ids)
+            verdict = acceptance.accept(verified, target_logits, sampler)
             # 5. roll back: keep x and the accepted drafts in every layer; the new token is pending
             accepted = verdict.accepted
             if accepted == list(range(len(accepted))):  # a prefix of the drafted order: cut the rest off
@@ -114,7 +143,7 @@ class Generator:
             stats.draft_s += tock - tick
             stats.verify_s += time.perf_counter() - tock
             stats.target_forwards += 1
-            stats.drafted_tokens += proposal.num_tokens
+            stats.drafted_tokens += proposal.num_candidates
             stats.accepted_draft_tokens += verdict.num_accepted
             chunk, reason = self._commit(new_tokens, stats, eos, config, stop_check)
             stats.accept_lengths.append(len(chunk))
@@ -124,9 +153,9 @@ class Generator:
         stats.scheduler = self.drafter.counters() if self.drafter is not None else None
         stats.wall_s = time.perf_counter() - start
 
-    def _prefill(self, state: DecodeState) -> int:
+    def _prefill(self, state: DecodeState) -> torch.Tensor:
         """Run the prompt through all layers (stopping at the layers whose states the drafter wants) and return
-        the target's first new token; the lm_head runs on the last position only."""
+        the target's logits ``[V]`` for the first new token; the lm_head runs on the last position only."""
         model = self.model
         components = ([self.drafter] if self.drafter else []) + [self.scorer]
         wanted = sorted({layer for component in components for layer in component.prefill_layers})
@@ -137,7 +166,7 @@ class Generator:
         for component in components:
             if component.prefill_layers:
                 component.prefill(state, captured)
-        return int(model.head(hidden[0, -1]).argmax())
+        return model.head(hidden[0, -1])
 
     def _commit(self, tokens, stats, eos, config, stop_check) -> tuple[list[int], str]:
         """Cut a chunk at EOS, the token limit or a stop string; return it and the stop reason ('' = go on)."""
@@ -239,13 +268,27 @@ def generate(
     stop: Sequence[str] = (),
     eos_token_ids: set[int] | None = None,
     ignore_eos: bool = False,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    acceptance: str = "exact",
+    typical_tau: float | None = None,
+    typical_alpha: float | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
     dtype: str = "float32",
 ) -> GenerationResult:
     """Generate from ``prompt`` with ``method`` (``ar``, ``pld``, ``early-exit``, ``tree``, ``cats``,
     ``cats-no-shallow``, ``layer-skip``, ``dytc``) or a ready ``drafter``.
 
-    ``model`` is a `LayeredModel` or anything `cats.load` accepts (then loaded with ``dtype``)."""
+    ``model`` is a `LayeredModel` or anything `cats.load` accepts (then loaded with ``dtype``).
+    ``temperature`` 0 decodes greedily; above 0 samples (with ``top_p``, ``top_k``, ``seed``), and every method
+    keeps plain sampling's distribution. ``acceptance="typical"`` (with ``typical_tau``, ``typical_alpha``) is
+    Medusa's lossy typical acceptance, see `cats.acceptance.TypicalAcceptance`."""
+    config = GenerationConfig(max_new_tokens=max_new_tokens, stop=stop, eos_token_ids=eos_token_ids,
+                              ignore_eos=ignore_eos, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                              acceptance=acceptance, typical_tau=typical_tau, typical_alpha=typical_alpha)
+    config.validate()  # before loading a model
     if isinstance(model, str):
         from cats.model import load_model
 
@@ -257,6 +300,5 @@ def generate(
     else:
         method = drafter.name
     scorer = make_scorer(method, model, drafter, adapters, sv_threshold, sv_passes)
-    config = GenerationConfig(max_new_tokens=max_new_tokens, stop=stop, eos_token_ids=eos_token_ids, ignore_eos=ignore_eos)
     prompt_ids = encode_prompt(model, prompt, chat=chat)
     return Generator(model, drafter, method=method, scorer=scorer).generate(prompt_ids, config, on_tokens=on_tokens)

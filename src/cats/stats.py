@@ -8,12 +8,19 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class GenerationStats:
     method: str = "ar"
-    acceptance: str = "greedy"
+    acceptance: str = "exact"  # "exact" (the target's greedy output / sampling distribution) or "typical (lossy)"
+    sampling: str = "greedy"  # "greedy", or the warping and seed, e.g. "temperature 0.7, top-p 0.9, seed 3"
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None  # the seed used (drawn when none was given), None when greedy
+    typical_tau: float | None = None  # typical acceptance only
+    typical_alpha: float | None = None
     prompt_tokens: int = 0
     new_tokens: int = 0
     target_forwards: int = 0  # prefill + one per decode step
-    drafted_tokens: int = 0  # tokens proposed by the drafter, summed over steps
-    accepted_draft_tokens: int = 0  # drafted tokens the target kept
+    drafted_tokens: int = 0  # tokens proposed by the drafter (nodes and unverified drawn candidates), summed over steps
+    accepted_draft_tokens: int = 0  # drafted tokens the acceptance rule kept
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per decode step (accepted + 1)
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -22,6 +29,18 @@ class GenerationStats:
     stop_reason: str = ""
     shallow: dict | None = None  # the cascade's shallow-verifier counters (see cats.cascade), when it ran
     scheduler: dict | None = None  # the DyTC scheduler's decisions and estimates (see cats.draft.dytc), when it ran
+
+    def record_sampling(self, acceptance, sampler) -> None:
+        """Record the acceptance rule (`cats.acceptance`) and the `cats.sampling.Sampler` of the generation."""
+        self.acceptance, self.sampling = acceptance.label, sampler.describe()
+        self.temperature, self.top_p, self.top_k, self.seed = (sampler.temperature, sampler.top_p, sampler.top_k,
+                                                               sampler.seed)
+        if acceptance.name == "typical":
+            self.typical_tau, self.typical_alpha = acceptance.tau, acceptance.alpha
+
+    @property
+    def lossless(self) -> bool:
+        return self.acceptance == "exact"
 
     @property
     def decode_steps(self) -> int:
@@ -44,6 +63,7 @@ class GenerationStats:
     def to_dict(self) -> dict:
         data = asdict(self)
         data.update(
+            lossless=self.lossless,
             decode_steps=self.decode_steps,
             mean_accepted=round(self.mean_accepted, 4),
             acceptance_rate=round(self.acceptance_rate, 4),
@@ -53,7 +73,8 @@ class GenerationStats:
 
     def summary_line(self) -> str:
         return (
-            f"[{self.method}, acceptance: {self.acceptance}] {self.new_tokens} tokens in {self.wall_s:.2f} s "
+            f"[{self.method}, acceptance: {self.acceptance}{self._typical()}, {self.sampling}] "
+            f"{self.new_tokens} tokens in {self.wall_s:.2f} s "
             f"({self.tokens_per_s:.1f} tok/s), {self.target_forwards} target forwards, "
             f"mean accepted {self.mean_accepted:.2f}, draft acceptance {self.acceptance_rate:.1%} "
             f"({self.accepted_draft_tokens}/{self.drafted_tokens}), stop: {self.stop_reason}"
@@ -64,6 +85,9 @@ class GenerationStats:
                if self.shallow else "")
             + (f"; scheduler: {_scheduler_text(self.scheduler)}" if self.scheduler else "")
         )
+
+    def _typical(self) -> str:
+        return f" tau {self.typical_tau:g} alpha {self.typical_alpha:g}" if self.typical_tau is not None else ""
 
 
 def _scheduler_text(scheduler: dict) -> str:

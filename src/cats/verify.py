@@ -1,16 +1,16 @@
-"""Scoring a proposal with the full target (one forward) and the acceptance rule.
+"""Scoring a proposal with the full target (one forward).
 
-Split as in vLLM: the drafter proposes, `score_proposal` runs the target, an acceptance rule decides.
+Split as in vLLM: the drafter proposes, `score_proposal` runs the target, an acceptance rule (`cats.acceptance`)
+decides.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from cats.acceptance import GreedyAcceptance, Verdict  # noqa: F401  (their home before cats.acceptance)
 from cats.draft.base import DecodeState, Proposal
-from cats.tree import greedy_path, verification_inputs
+from cats.tree import verification_inputs
 
 
 def score_proposal(state: DecodeState, proposal: Proposal) -> torch.Tensor:
@@ -49,35 +49,3 @@ class TargetScorer:
     def counters(self) -> dict | None:
         """Per-generation counters to report (None: nothing to report)."""
         return None
-
-
-@dataclass
-class Verdict:
-    """What the target decided about one proposal."""
-
-    accepted: list[int]  # indices of the drafted tokens kept, root to leaf (a chain: 0..n-1)
-    next_token: int  # the target's own token after them (a correction, or the bonus token if all were kept)
-
-    @property
-    def num_accepted(self) -> int:
-        return len(self.accepted)
-
-
-class GreedyAcceptance:
-    """Keep the longest drafted prefix equal to the target's argmax, then the target's argmax after it.
-
-    Worked example: drafts [5, 7, 9], target argmax per row [5, 7, 2, 4] -> accept 2 (5, 7), next token 2.
-    Trees: the longest root-to-node path whose tokens equal the target's argmax at their parents (`greedy_path`).
-    The output is exactly what plain greedy decoding produces."""
-
-    name = "greedy"
-
-    def accept(self, proposal: Proposal, target_logits: torch.Tensor) -> Verdict:
-        predicted = target_logits.argmax(dim=-1).cpu()  # [k+1]
-        if proposal.is_tree:
-            path = greedy_path(proposal.tokens, proposal.parents, predicted)
-            return Verdict(accepted=path, next_token=int(predicted[path[-1] + 1 if path else 0]))
-        k = proposal.num_tokens
-        matches = (predicted[:k] == proposal.tokens).to(torch.long)
-        num_accepted = int(matches.cumprod(0).sum()) if k else 0
-        return Verdict(accepted=list(range(num_accepted)), next_token=int(predicted[num_accepted]))

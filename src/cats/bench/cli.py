@@ -15,7 +15,7 @@ def add_bench_parser(subparsers) -> None:
     from cats.bench.methods import known_methods
     from cats.bench.prompts import PROMPT_FORMATS
     from cats.bench.runner import TURN_MODES
-    from cats.cli import add_model_arguments, add_sparsity_argument, add_tree_arguments, integer
+    from cats.cli import add_model_arguments, add_sampling_arguments, add_sparsity_argument, add_tree_arguments, integer
 
     bench = subparsers.add_parser(
         "bench", help="benchmark methods and baselines on Spec-Bench / MT-Bench questions",
@@ -35,8 +35,7 @@ def add_bench_parser(subparsers) -> None:
     bench.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="chat",
                        help="chat: apply the chat template (default); raw: plain text, for models without one")
     bench.add_argument("--max-new-tokens", type=integer, default=256)
-    bench.add_argument("--temperature", type=float, default=0.0,
-                       help="only 0 (greedy) is implemented so far; other values are rejected")
+    add_sampling_arguments(bench)  # --temperature --top-p --top-k --seed --acceptance --typical-tau --typical-alpha
     bench.add_argument("--warmup", type=integer, default=1, help="warm-up runs per method (default 1)")
     bench.add_argument("--num-draft-tokens", "-k", type=integer, default=None,
                        help="tokens drafted per step, for pld/early-exit and their baselines (default: pld 10, "
@@ -62,13 +61,10 @@ def add_bench_parser(subparsers) -> None:
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
-    from cats.bench.methods import MethodSettings, parse_methods
+    from cats.bench.methods import MethodSettings, SamplingSettings, parse_methods
     from cats.bench.runner import BenchConfig, run_bench
     from cats.cli import default_model
 
-    if args.temperature != 0:
-        raise InvalidArgumentError(f"--temperature {args.temperature:g} is not implemented yet: cats bench runs "
-                                   "greedy decoding only (--temperature 0)")
     for flag, value in (("--questions", args.questions), ("--out", args.out)):
         if value is None:
             raise InvalidArgumentError(f"cats bench needs {flag}")
@@ -80,15 +76,21 @@ def run_bench_command(args: argparse.Namespace) -> int:
         settings=MethodSettings(num_draft_tokens=args.num_draft_tokens, draft_layer=args.draft_layer,
                                 max_ngram=args.max_ngram, adapters=args.adapters, threshold=args.threshold,
                                 tree_topk=args.tree_topk, total_tokens=args.total_tokens, depth=args.depth,
-                                sv_threshold=args.sv_threshold, sv_passes=args.sv_passes,
-                                sparsity=args.sparsity),
+                                sv_threshold=args.sv_threshold, sv_passes=args.sv_passes, sparsity=args.sparsity,
+                                sampling=SamplingSettings(args.temperature, args.top_p, args.top_k, args.acceptance,
+                                                          args.typical_tau, args.typical_alpha)),
+        seed=args.seed,
         progress=not args.no_progress,
     )
+    config.validate()  # before the model loads
     summary = run_bench(config)
+    print(f"acceptance: {summary['acceptance']}, temperature {summary['temperature']:g}")
     for name, method in summary["methods"].items():
         speedup = f"{method['speedup']:.2f}x" if method["speedup"] is not None else "–"
         tokens_per_s = f"{method['tokens_per_s']:.1f}" if method["tokens_per_s"] is not None else "–"
-        print(f"{name:>16}: {tokens_per_s} tok/s, speedup {speedup}, failures {method['failures']}")
+        accepted = f"{method['mean_accepted']:.2f}" if method["mean_accepted"] is not None else "–"
+        print(f"{name:>16}: {tokens_per_s} tok/s, speedup {speedup}, mean accepted {accepted}, "
+              f"acceptance: {method['acceptance']}, failures {method['failures']}")
     for name, reason in summary["skipped"].items():
         print(f"{name:>16}: skipped ({reason})")
     print(f"wrote {args.out}/summary.json and report.md")

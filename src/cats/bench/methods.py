@@ -1,7 +1,8 @@
 """The method registry: every decoding method ``cats bench`` can run, CATS's own and the baselines.
 
-A method turns prompt token ids into new token ids (greedy, stopping at an end-of-sequence token, which is kept,
-or at ``max_new_tokens``) and reports how many tokens each target forward committed. The runner times it.
+A method turns prompt token ids into new token ids (greedy, or sampled with the run's `SamplingSettings` and the
+turn's seed; stopping at an end-of-sequence token, which is kept, or at ``max_new_tokens``) and reports how many
+tokens each target forward committed. The runner times it.
 
 * CATS methods (every name in `cats.draft.METHODS`: ``ar``, ``pld``, ``early-exit``, and each new one as it lands):
   `cats.generate.Generator` with the drafter from `cats.draft.make_drafter`.
@@ -25,12 +26,14 @@ from pathlib import Path
 
 import torch
 
+from cats.acceptance import check_acceptance, make_acceptance
 from cats.draft import METHODS as CATS_METHODS
 from cats.cascade import make_scorer
 from cats.draft import default_draft_layer, make_drafter
 from cats.errors import CatsError, InvalidArgumentError, UnknownMethodError
 from cats.generate import GenerationConfig, Generator
 from cats.model import LayeredModel
+from cats.sampling import check_sampling
 
 HF_METHODS = ("hf-ar", "hf-pld", "hf-early-exit")
 LLAMA_CPP_METHODS = ("llama-cpp", "llama-cpp-pld")
@@ -78,6 +81,33 @@ class TurnResult:
 
 
 @dataclass
+class SamplingSettings:
+    """How every method of a run chooses tokens (greedy at temperature 0, else sampling with the same warping), and
+    the acceptance rule of CATS's speculative methods. Typical acceptance (lossy) applies to those only: ``ar`` and
+    the baselines always decode exactly."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    acceptance: str = "exact"
+    typical_tau: float | None = None
+    typical_alpha: float | None = None
+
+    @property
+    def sampled(self) -> bool:
+        return self.temperature > 0
+
+    def validate(self) -> None:
+        check_sampling(self.temperature, self.top_p, self.top_k, None)
+        check_acceptance(self.acceptance, self.typical_tau, self.typical_alpha)
+        make_acceptance(self.acceptance, self.temperature, self.typical_tau, self.typical_alpha)  # range checks
+
+    def label(self) -> str:
+        """What the run's reports say about acceptance: ``exact`` or ``typical (lossy)``."""
+        return make_acceptance(self.acceptance, self.temperature, self.typical_tau, self.typical_alpha).label
+
+
+@dataclass
 class MethodSettings:
     """Drafting settings shared by each CATS method and its baseline equivalents (None: the method's default)."""
 
@@ -93,6 +123,7 @@ class MethodSettings:
     sv_passes: int = 1  # the cascade's shallow passes per deep pass (method cats)
     sparsity: tuple[float, ...] | None = None  # layer-skip / dytc sparsities (None: their defaults)
     threads: int = 1
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
 
 
 @dataclass
@@ -104,10 +135,11 @@ class BenchContext:
 
 class BenchMethod(ABC):
     name: str
+    acceptance: str = "exact"  # what reports say about its output: "exact" or "typical (lossy)"
 
     @abstractmethod
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> TurnResult:
-        """Greedy new tokens after ``prompt_ids``."""
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None = None) -> TurnResult:
+        """New tokens after ``prompt_ids``: greedy, or sampled with the run's settings and ``seed``."""
 
     def describe(self) -> dict:
         """Settings shown in the summary and report."""
@@ -134,9 +166,18 @@ class CatsMethod(BenchMethod):
         self.scorer = make_scorer(name, context.model, self.drafter, settings.adapters, settings.sv_threshold,
                                   settings.sv_passes if name == "cats" else 1)
         self.generator = Generator(context.model, self.drafter, method=name, scorer=self.scorer)
+        self.sampling = settings.sampling
+        if self.drafter is None:  # typical acceptance is about drafts: ar decodes exactly
+            self.sampling = SamplingSettings(self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
+        self.acceptance = self.sampling.label()
 
-    def generate(self, prompt_ids, max_new_tokens):
-        result = self.generator.generate(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens))
+    def generate(self, prompt_ids, max_new_tokens, seed=None):
+        sampling = self.sampling
+        config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=sampling.temperature,
+                                  top_p=sampling.top_p, top_k=sampling.top_k, seed=seed if sampling.sampled else None,
+                                  acceptance=sampling.acceptance, typical_tau=sampling.typical_tau,
+                                  typical_alpha=sampling.typical_alpha)
+        result = self.generator.generate(prompt_ids, config)
         return TurnResult(result.token_ids, list(result.stats.accept_lengths), result.stats.target_forwards,
                           result.stats.shallow, result.stats.scheduler)
 
@@ -165,8 +206,9 @@ class _ChunkRecorder:
 
 
 class HfGenerateMethod(BenchMethod):
-    """transformers ``generate`` on ``model.hf_model``, greedy (``do_sample=False`` explicitly: real checkpoints
-    often ship ``do_sample=True`` in their generation config).
+    """transformers ``generate`` on ``model.hf_model``: greedy (``do_sample=False`` explicitly: real checkpoints
+    often ship ``do_sample=True`` in their generation config), or sampled with the run's temperature, top-p and
+    top-k (passed explicitly, over the checkpoint's defaults) after ``torch.manual_seed(seed)``.
 
     Assistant settings (draft length, confidence threshold, schedule) are read by transformers from the
     *assistant's* generation config, which for ``assistant_early_exit`` is the target's own; passed as ``generate``
@@ -177,8 +219,11 @@ class HfGenerateMethod(BenchMethod):
     def __init__(self, name: str, context: BenchContext, generate_kwargs: dict, assistant_settings: dict):
         self.name, self.model = name, context.model
         self.generate_kwargs, self.assistant_settings = generate_kwargs, assistant_settings
+        sampling = context.settings.sampling
+        self.sampling_kwargs = (dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                                     top_k=sampling.top_k) if sampling.sampled else dict(do_sample=False))
 
-    def generate(self, prompt_ids, max_new_tokens):
+    def generate(self, prompt_ids, max_new_tokens, seed=None):
         model = self.model
         hf_model, config = model.hf_model, model.hf_model.generation_config
         input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=model.device)
@@ -189,11 +234,13 @@ class HfGenerateMethod(BenchMethod):
         try:
             for key, value in self.assistant_settings.items():
                 setattr(config, key, value)
+            if self.sampling_kwargs["do_sample"]:
+                torch.manual_seed(0 if seed is None else seed)  # transformers samples with torch's global generator
             with torch.inference_mode():
                 output = hf_model.generate(
                     input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                    do_sample=False, eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0,
-                    streamer=recorder, **self.generate_kwargs,
+                    eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0,
+                    streamer=recorder, **self.sampling_kwargs, **self.generate_kwargs,
                 )
         finally:
             hook.remove()
@@ -203,7 +250,7 @@ class HfGenerateMethod(BenchMethod):
         return TurnResult(new_tokens, recorder.chunks[1:], forwards[0])
 
     def describe(self):
-        return {"name": self.name, **self.generate_kwargs, **self.assistant_settings}
+        return {"name": self.name, **self.generate_kwargs, **self.assistant_settings}  # sampling: in the run
 
 
 def hf_method(name: str, context: BenchContext) -> HfGenerateMethod:
@@ -244,7 +291,8 @@ def find_gguf(model_source: str) -> Path | None:
 
 
 class LlamaCppMethod(BenchMethod):
-    """llama-cpp-python's ``Llama.generate`` with greedy sampling, optionally with its prompt-lookup drafter.
+    """llama-cpp-python's ``Llama.generate``, greedy or sampled with the run's temperature, top-p and top-k (its own
+    min-p filter off) after ``Llama.set_seed(seed)``, optionally with its prompt-lookup drafter.
 
     The prompt is the same token ids the other methods get (the GGUF's vocabulary is the tokenizer's).
     ``Llama.reset()`` before each run stops llama.cpp from reusing the KV cache of an earlier prompt with the same
@@ -263,6 +311,9 @@ class LlamaCppMethod(BenchMethod):
                 f"{name} needs a GGUF model; {context.model_source!r} is neither a .gguf file nor converted from one")
         settings, model = context.settings, context.model
         self.name, self.gguf, self.eos = name, gguf, model.eos_token_ids
+        sampling = settings.sampling
+        self.sampling_kwargs = (dict(temp=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, min_p=0.0,
+                                     typical_p=1.0) if sampling.sampled else dict(temp=0.0))
         self.settings = {"name": name, "gguf": str(gguf), "threads": settings.threads}
         draft_model = None
         if prompt_lookup:
@@ -276,7 +327,7 @@ class LlamaCppMethod(BenchMethod):
             n_threads_batch=settings.threads, draft_model=draft_model, seed=0, verbose=False,
         )
 
-    def generate(self, prompt_ids, max_new_tokens):
+    def generate(self, prompt_ids, max_new_tokens, seed=None):
         llm, tokens, eval_starts = self.llm, [], []
         original_eval = llm.eval
 
@@ -285,9 +336,11 @@ class LlamaCppMethod(BenchMethod):
             return original_eval(batch)
 
         llm.reset()
+        if self.sampling_kwargs["temp"] > 0:
+            llm.set_seed(0 if seed is None else seed)
         llm.eval = counting_eval
         try:
-            for token in llm.generate(list(prompt_ids), temp=0.0, repeat_penalty=1.0, reset=True):
+            for token in llm.generate(list(prompt_ids), repeat_penalty=1.0, reset=True, **self.sampling_kwargs):
                 tokens.append(int(token))
                 if tokens[-1] in self.eos or len(tokens) >= max_new_tokens:
                     break

@@ -17,6 +17,26 @@ def _percent(value) -> str:
     return "–" if value is None else f"{value:.0%}"
 
 
+def _decoding(summary: dict) -> str:
+    """The run's decoding and acceptance, in words."""
+    temperature, acceptance = summary.get("temperature", 0.0), summary.get("acceptance", "exact")
+    if temperature > 0:
+        warping = ", ".join([f"temperature {temperature:g}"]
+                            + ([f"top-p {summary['top_p']:g}"] if summary.get("top_p", 1.0) < 1 else [])
+                            + ([f"top-k {summary['top_k']}"] if summary.get("top_k", 0) else []))
+        decoding = (f"decoding: **sampled** ({warping}; per-turn seeds from base seed {summary.get('seed')}, the same "
+                    "for every method); exact acceptance keeps plain sampling's distribution, so outputs are not "
+                    "compared token for token")
+    else:
+        decoding = "decoding: **greedy** (temperature 0: exact acceptance must produce the tokens of plain greedy " \
+                   "decoding)"
+    if acceptance != "exact":
+        decoding += (f"; **{acceptance}** acceptance (tau {summary.get('typical_tau')}, alpha "
+                     f"{summary.get('typical_alpha')}) for CATS's speculative methods: their outputs drift from the "
+                     "target's; ar and the baselines decode exactly")
+    return f"acceptance mode: **{acceptance}**; {decoding}"
+
+
 def render_report(summary: dict, requested_methods: list[str] | None = None) -> str:
     methods = summary["methods"]
     baseline, reference = summary.get("baseline"), summary.get("exact_match_reference")
@@ -26,27 +46,28 @@ def render_report(summary: dict, requested_methods: list[str] | None = None) -> 
         f"- model: `{summary['model']}`, dtype {summary['dtype']}, {summary['threads']} threads",
         f"- questions: {summary['questions']} from `{summary.get('question_file', '?')}` "
         f"(turns: {summary.get('turns', 'first')}, prompt format: {summary.get('prompt_format', 'chat')})",
-        f"- max new tokens: {summary['max_new_tokens']}; acceptance mode: **{summary.get('acceptance', 'greedy')}** "
-        f"(temperature 0: every method must produce the tokens of plain greedy decoding)",
+        f"- max new tokens: {summary['max_new_tokens']}; {_decoding(summary)}",
         f"- speedup baseline: {f'`{baseline}`' if baseline else 'none (neither ar nor hf-ar ran)'}; "
         "speedup = mean per-question tokens/s of the method / that of the baseline (Spec-Bench's speed.py), "
         "aggregate = total tokens / total time, ratio to the baseline's",
         f"- exact match: fraction of questions whose tokens equal those of "
-        f"{f'`{reference}`' if reference else '(no reference: neither ar nor hf-ar ran)'}",
+        f"{f'`{reference}`' if reference else '(no reference: sampled run, or neither ar nor hf-ar ran)'}; "
+        "prefix agreement: mean fraction of the reference's tokens reproduced before the first difference",
         "- mean accepted: tokens committed per target forward after the first (1.00 for plain decoding)",
         "- peak RSS: the process's resident memory while the method ran (shared weights included)",
         "",
         "## All questions",
         "",
-        "| method | tokens/s | speedup | speedup (aggregate) | mean accepted | new tokens | wall s | peak RSS MB "
-        "| exact match | failures |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| method | acceptance | tokens/s | speedup | speedup (aggregate) | mean accepted | new tokens | wall s "
+        "| peak RSS MB | exact match | prefix agreement | failures |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in methods.items():
         lines.append(
-            f"| {name} | {_cell(m['tokens_per_s'], 1)} | {_cell(m['speedup'], 2, 'x')} "
+            f"| {name} | {m.get('acceptance', 'exact')} | {_cell(m['tokens_per_s'], 1)} | {_cell(m['speedup'], 2, 'x')} "
             f"| {_cell(m['speedup_aggregate'], 2, 'x')} | {_cell(m['mean_accepted'])} | {m['new_tokens']} "
-            f"| {_cell(m['wall_s'], 1)} | {_cell(m['peak_rss_mb'], 0)} | {_percent(m['exact_match'])} | {m['failures']} |"
+            f"| {_cell(m['wall_s'], 1)} | {_cell(m['peak_rss_mb'], 0)} | {_percent(m['exact_match'])} "
+            f"| {_percent(m.get('prefix_agreement'))} | {m['failures']} |"
         )
     categories = list(dict.fromkeys(cat for m in methods.values() for cat in m["per_category"]))
     for category in categories:

@@ -14,12 +14,14 @@ import os
 import sys
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from cats.acceptance import make_acceptance
 from cats.bench.answers import PARTIAL_SUFFIX, AnswerWriter, new_answer
 from cats.bench.memory import PeakRssSampler
 from cats.bench.methods import BenchContext, BenchMethod, MethodSettings, MethodUnavailableError, make_method
@@ -29,6 +31,7 @@ from cats.bench.questions import Question, read_questions, select_questions
 from cats.bench.report import render_report
 from cats.bench.summary import summarize
 from cats.errors import InvalidArgumentError
+from cats.sampling import check_sampling
 
 SUMMARY_FILE, REPORT_FILE = "summary.json", "report.md"
 TURN_MODES = ("first", "all")
@@ -48,10 +51,14 @@ class BenchConfig:
     limit: int | None = None
     per_category: int | None = None
     warmup: int = 1  # warm-up runs per method (on the first question, not recorded)
-    settings: MethodSettings = field(default_factory=MethodSettings)
+    settings: MethodSettings = field(default_factory=MethodSettings)  # its .sampling: temperature, acceptance, ..
+    seed: int | None = None  # sampled runs: base of the per-turn seeds (None: 0); must stay None when greedy
     progress: bool = True
 
     def validate(self) -> None:
+        sampling = self.settings.sampling
+        sampling.validate()
+        check_sampling(sampling.temperature, sampling.top_p, sampling.top_k, self.seed)
         if self.max_new_tokens < 1:
             raise InvalidArgumentError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
         if self.turns not in TURN_MODES:
@@ -81,6 +88,14 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(temporary, path)
 
 
+def turn_seed(config: BenchConfig, question: Question, turn: int) -> int | None:
+    """The seed of one turn of a sampled run: the same for every method (paired runs), different per question and
+    turn, independent of which questions were selected. None for greedy runs."""
+    if not config.settings.sampling.sampled:
+        return None
+    return zlib.crc32(f"{config.seed or 0}/{question.question_id}/{turn}".encode())
+
+
 def answer_question(method: BenchMethod, question: Question, tokenizer, config: BenchConfig, model_id: str) -> dict:
     """Every selected turn of ``question``, each after the method's own earlier answers. An exception is recorded
     in the answer's ``error`` (the turns answered before it are kept); the run goes on."""
@@ -89,10 +104,10 @@ def answer_question(method: BenchMethod, question: Question, tokenizer, config: 
     conversation = Conversation(tokenizer, config.prompt_format)
     turns = question.turns if config.turns == "all" else question.turns[:1]
     try:
-        for turn in turns:
+        for number, turn in enumerate(turns):
             prompt_ids = conversation.prompt_ids(turn)
             start = time.perf_counter()
-            result = method.generate(prompt_ids, config.max_new_tokens)
+            result = method.generate(prompt_ids, config.max_new_tokens, seed=turn_seed(config, question, number))
             wall_s = time.perf_counter() - start
             choice["turns"].append(tokenizer.decode(result.token_ids, skip_special_tokens=True))
             choice["token_ids"].append(result.token_ids)
@@ -170,14 +185,20 @@ def run_bench(config: BenchConfig) -> dict:
     for writer in writers.values():
         writer.finish()
 
+    sampling = config.settings.sampling
     run = {
         "model": config.model, "dtype": config.dtype, "threads": threads, "questions": len(questions),
         "max_new_tokens": config.max_new_tokens, "question_file": str(config.questions), "turns": config.turns,
-        "prompt_format": config.prompt_format, "temperature": 0.0, "warmup": config.warmup,
-        "methods_requested": list(config.methods),
+        "prompt_format": config.prompt_format, "temperature": sampling.temperature, "top_p": sampling.top_p,
+        "top_k": sampling.top_k, "seed": (config.seed or 0) if sampling.sampled else None,
+        "acceptance": sampling.label(), "warmup": config.warmup, "methods_requested": list(config.methods),
     }
+    if sampling.acceptance == "typical":
+        rule = make_acceptance(sampling.acceptance, sampling.temperature, sampling.typical_tau, sampling.typical_alpha)
+        run.update(typical_tau=rule.tau, typical_alpha=rule.alpha)
     summary = summarize(answers, run, peak_rss_mb={name: rss.peak_mb(name) for name in methods},
-                        settings={name: method.describe() for name, method in methods.items()}, skipped=skipped)
+                        settings={name: method.describe() for name, method in methods.items()}, skipped=skipped,
+                        acceptance={name: method.acceptance for name, method in methods.items()})
     write_plots(summary, answers, out)
     write_atomically(out / REPORT_FILE, render_report(summary, config.methods))
     write_atomically(out / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")  # last: its presence means done

@@ -1,7 +1,11 @@
-"""From answers to numbers: tokens/s, Spec-Bench speedup, mean accepted tokens, exact match.
+"""From answers to numbers: tokens/s, Spec-Bench speedup, mean accepted tokens, exact match and prefix agreement.
 
 Everything here works on answer records (`cats.bench.answers`), so a test can check it on a hand-written case.
 A question whose answer has an ``error`` counts as a failure and is left out of the speed figures.
+
+Token comparisons (exact match, prefix agreement with ``ar``) are made for greedy runs only (temperature 0): sampled
+outputs differ from run to run by design. At temperature 0 they measure how far typical acceptance (lossy) drifts
+from greedy decoding; exact acceptance must give 1.0.
 """
 
 from __future__ import annotations
@@ -126,6 +130,23 @@ def exact_match(method_answers: Sequence[dict], reference_answers: Sequence[dict
     return sum(mine.get(qid) == tokens for qid, tokens in reference.items()) / len(reference)
 
 
+def prefix_agreement(method_answers: Sequence[dict], reference_answers: Sequence[dict]) -> float | None:
+    """Mean over the questions the reference answered of the fraction of the reference's tokens (all turns, in
+    order) that the method reproduced before its first differing token (a failed question counts 0)."""
+    reference = {a["question_id"]: [t for turn in choice(a)["token_ids"] for t in turn]
+                 for a in ok(reference_answers) if "token_ids" in choice(a)}
+    if not reference:
+        return None
+    mine = {a["question_id"]: [t for turn in choice(a).get("token_ids", []) for t in turn] for a in ok(method_answers)}
+    fractions = []
+    for qid, tokens in reference.items():
+        other, same = mine.get(qid, []), 0
+        while same < min(len(tokens), len(other)) and tokens[same] == other[same]:
+            same += 1
+        fractions.append(same / len(tokens) if tokens else float(not other))
+    return float(np.mean(fractions))
+
+
 def categories(answers: dict[str, list[dict]]) -> list[str]:
     """Categories in order of first appearance."""
     seen: dict[str, None] = {}
@@ -155,19 +176,26 @@ def summarize(
     peak_rss_mb: dict[str, float | None] | None = None,
     settings: dict[str, dict] | None = None,
     skipped: dict[str, str] | None = None,
+    acceptance: dict[str, str] | None = None,
 ) -> dict:
     """The ``summary.json`` object.
 
-    ``run`` holds the run's settings (``model``, ``dtype``, ``threads``, ``questions``, ``max_new_tokens`` and any
-    others to record); ``answers`` maps each method that ran to its answers (same questions, same order)."""
-    baseline, reference = pick_baseline(answers), pick_reference(answers)
+    ``run`` holds the run's settings (``model``, ``dtype``, ``threads``, ``questions``, ``max_new_tokens``,
+    ``temperature`` (default 0), ``acceptance`` (default ``exact``) and any others to record); ``answers`` maps
+    each method that ran to its answers (same questions, same order); ``acceptance`` each method's acceptance label
+    (default: the run's)."""
+    baseline = pick_baseline(answers)
+    sampled = run.get("temperature", 0) > 0
+    reference = None if sampled else pick_reference(answers)
     summary = dict(run)
-    summary.update(acceptance="greedy", baseline=baseline, exact_match_reference=reference,
-                   skipped=dict(skipped or {}), methods={})
+    summary.setdefault("temperature", 0.0)
+    summary.setdefault("acceptance", "exact")
+    summary.update(baseline=baseline, exact_match_reference=reference, skipped=dict(skipped or {}), methods={})
     for name, method_answers in answers.items():
         good = ok(method_answers)
         ratio, aggregate = speedup(method_answers, answers[baseline]) if baseline else (None, None)
         entry = {
+            "acceptance": (acceptance or {}).get(name, summary["acceptance"]),
             "tokens_per_s": _round(mean_speed(good), 3),
             "tokens_per_s_aggregate": _round(aggregate_speed(good), 3),
             "speedup": _round(ratio, 4),
@@ -177,6 +205,7 @@ def summarize(
             "wall_s": round(sum(sum(choice(a)["wall_time"]) for a in good), 4),
             "peak_rss_mb": (peak_rss_mb or {}).get(name),
             "exact_match": _round(exact_match(method_answers, answers[reference]), 4) if reference else None,
+            "prefix_agreement": _round(prefix_agreement(method_answers, answers[reference]), 4) if reference else None,
             "failures": len(method_answers) - len(good),
             "errors": {str(a["question_id"]): a["error"] for a in method_answers if a.get("error")},
             "settings": (settings or {}).get(name, {}),

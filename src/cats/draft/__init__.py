@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cats.draft.base import DecodeState, Drafter, Proposal
+from cats.draft.base import DecodeState, Draw, Drafter, Proposal
 from cats.draft.early_exit import EarlyExitDrafter, default_draft_layer
 from cats.draft.layer_skip import LayerSkipDrafter, SkipSet
 from cats.draft.prompt_lookup import PromptLookupDrafter
@@ -117,6 +117,6 @@ def make_layer_skip(model: LayeredModel, sparsity: float, num_tokens: int = 4, t
 
 
 __all__ = [
-    "DecodeState", "Drafter", "EarlyExitDrafter", "LayerSkipDrafter", "METHODS", "PromptLookupDrafter", "Proposal",
-    "SkipSet", "TreeDrafter", "check_method", "default_draft_layer", "make_drafter", "make_layer_skip",
+    "DecodeState", "Draw", "Drafter", "EarlyExitDrafter", "LayerSkipDrafter", "METHODS", "PromptLookupDrafter",
+    "Proposal", "SkipSet", "TreeDrafter", "check_method", "default_draft_layer", "make_drafter", "make_layer_skip",
 ]

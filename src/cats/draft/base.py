@@ -2,6 +2,12 @@
 
 Notation, used across CATS: p = the target's distribution, q = a draft's distribution; ``x`` is the pending token
 (the newest committed token, not yet in the KV cache); ``d_1 .. d_k`` are drafted tokens.
+
+Greedy decoding and typical acceptance: drafters choose their tokens deterministically (``state.sampler`` is None).
+Speculative sampling: ``state.sampler`` is set, and a drafter with a draft distribution *draws* its tokens from
+q = ``sampler.probs(draft logits)`` with ``sampler`` (one generator per generation) and records each draw in
+``Proposal.draws``; drafted tokens not covered by a `Draw` (prompt lookup, the cascade's corrections) are
+deterministic candidates (one-hot q). `cats.acceptance` states what a drafter may and may not base its choices on.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from cats.model import KVCache, LayeredModel
+from cats.sampling import Sampler
 from cats.tree import is_chain
 
 
@@ -24,6 +31,7 @@ class DecodeState:
     cache: KVCache
     token_ids: list[int]  # prompt + generated tokens; the last one, x, is pending (not in the cache)
     prompt_length: int
+    sampler: Sampler | None = None  # set: draw drafts from q with it (speculative sampling); None: draft greedily
 
     @property
     def committed_length(self) -> int:
@@ -32,18 +40,45 @@ class DecodeState:
 
 
 @dataclass
+class Draw:
+    """Candidates for the token after one node, drawn one after another *without replacement* from the draft
+    distribution ``probs`` (q, warped like the target). Speculative sampling tests them in the order drawn.
+
+    A candidate is a proposal node (verified by the target, so the walk can continue below it) or, where ``nodes``
+    holds None, a token only: accepting it ends the step with that token (e.g. a tree node the drafter did not
+    expand, or one the cascade pruned)."""
+
+    parent: int  # the node whose next token they are: a proposal node index, -1 = x
+    tokens: list[int]  # in the order drawn
+    nodes: list[int | None]  # proposal node index of each candidate; None = not verified
+    probs: torch.Tensor  # [V] q at the parent, exactly as drawn from
+
+    @property
+    def unverified(self) -> int:
+        return sum(node is None for node in self.nodes)
+
+
+@dataclass
 class Proposal:
     """A chain of drafted tokens. Shapes: k = number of drafted tokens (0 allowed), V = vocabulary, H = hidden."""
 
     tokens: torch.Tensor  # [k] drafted token ids d_1..d_k (long, CPU); tree nodes in topological order
     parents: torch.Tensor | None = None  # [k] parent node index of each token, -1 = child of x; None = a chain
-    logits: torch.Tensor | None = None  # [k, V] draft logits behind each d_i (q); None for deterministic drafts
+    logits: torch.Tensor | None = None  # [k, V] draft logits behind each d_i, when the draft has any (the
+    # distribution a sampled token was drawn from is in `draws`)
     hidden: torch.Tensor | None = None  # [1, k+1, H] states after layer `hidden_layer` for [x, d_1..d_k]
     hidden_layer: int = 0  # layers [0, hidden_layer) already ran on [x, d_1..d_k] (their K/V is cached)
+    draws: list[Draw] | None = None  # sampled drafts: how the tokens were drawn from q (see `Draw`); None: all
+    # tokens were chosen deterministically
 
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.numel())
+
+    @property
+    def num_candidates(self) -> int:
+        """Drafted tokens the acceptance rule may accept: the nodes plus the unverified candidates of draws."""
+        return self.num_tokens + sum(draw.unverified for draw in self.draws or ())
 
     @property
     def is_tree(self) -> bool:

@@ -39,6 +39,10 @@ With a draft adapter among the drafters, the adapter's own cache layer must hold
 another drafter was chosen, the scheduler runs ``[x, drafts]`` through the target's first L layers and the adapter
 itself and hands the verifier their states after layer L (the verifier then skips those layers), so nothing runs
 twice. Output is unchanged (lossless): the target verifies every token.
+
+Sampling: the options draft deterministically (their argmax chains and trees; no draws from q), so every candidate
+is a one-hot candidate and the output is exactly plain sampling's for the same seed (`cats.acceptance`): the
+scheduler's choices, which depend on measured time, cannot change what is generated.
 """
 
 from __future__ import annotations
@@ -374,7 +378,8 @@ class DyTCDrafter(Drafter):
         elif key == PLD:
             proposal = Proposal(tokens=torch.as_tensor(found[:k], dtype=torch.long))
         else:
-            proposal = self.options[key].drafter.propose(state, max_tokens if self.options[key].tree else k)
+            deterministic = replace(state, sampler=None)  # see the module docstring: sampling
+            proposal = self.options[key].drafter.propose(deterministic, max_tokens if self.options[key].tree else k)
             decision.k = proposal.num_tokens
         drafted_at = self.clock()
         if key not in (NONE, PLD):

@@ -4,6 +4,10 @@ target's weights and KV cache. The head is the target's own final norm + lm_head
 
 Drafting writes K/V of layers ``[0, layer)`` (and the adapter's own cache layer) for ``[x, d_1..d_k]``; the
 verifier reuses them and runs only the deep layers ``[layer, N)``, so no layer runs twice for the same token.
+
+Greedy and typical acceptance: d_i is the draft's argmax. Speculative sampling (``state.sampler`` set): d_i is drawn
+from q_i = the draft's warped distribution, recorded as a one-candidate `Draw`. The confidence stop looks at q_i
+before d_i is drawn, so the draft length never depends on the drawn token itself (lossless, see `cats.acceptance`).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from cats.draft.adapter import Adapter
-from cats.draft.base import DecodeState, Drafter, Proposal
+from cats.draft.base import DecodeState, Draw, Drafter, Proposal
 from cats.errors import InvalidArgumentError
 from cats.model import LayeredModel
 
@@ -79,8 +83,8 @@ class EarlyExitDrafter(Drafter):
         count = min(self.num_tokens, max_tokens)
         if count <= 0:
             return Proposal.empty()
-        model, token = self.model, state.token_ids[-1]
-        states, drafted, draft_logits = [], [], []
+        model, token, sampler = self.model, state.token_ids[-1], state.sampler
+        states, drafted, draft_logits, draws = [], [], [], []
         for step in range(count + 1):
             hidden = model.forward_layers(model.embed(torch.tensor([token])), 0, self.layer, state.cache)
             states.append(hidden)
@@ -91,7 +95,12 @@ class EarlyExitDrafter(Drafter):
             logits = self._draft_logits(hidden, state)
             if step > 0 and self.threshold > 0 and float(torch.softmax(logits.float(), -1).max()) < self.threshold:
                 break  # confidence stop: x, d_1..d_step went through the draft layers; d_{step+1} is not drafted
-            token = int(logits.argmax())
+            if sampler is None:
+                token = int(logits.argmax())
+            else:
+                q = sampler.probs(logits)
+                token = sampler.sample(q)
+                draws.append(Draw(parent=step - 1, tokens=[token], nodes=[step], probs=q))
             drafted.append(token)
             draft_logits.append(logits)
         return Proposal(
@@ -99,6 +108,7 @@ class EarlyExitDrafter(Drafter):
             logits=torch.stack(draft_logits),
             hidden=torch.cat(states, dim=1),
             hidden_layer=self.layer,
+            draws=draws if sampler is not None else None,
         )
 
     def describe(self) -> dict:

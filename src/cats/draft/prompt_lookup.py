@@ -42,7 +42,8 @@ def lookup_with_ngram(token_ids: np.ndarray, max_ngram: int, min_ngram: int, num
 
 
 class PromptLookupDrafter(Drafter):
-    """N-gram copy from prompt + output. Deterministic: its q is one-hot, so ``Proposal.logits`` is None."""
+    """N-gram copy from prompt + output. Deterministic: no draft logits; under sampling its tokens are one-hot
+    candidates (q = e_d)."""
 
     name = "pld"
 

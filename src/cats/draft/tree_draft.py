@@ -7,6 +7,14 @@ Cache bookkeeping (the `Drafter` contract, trees included): expanded nodes run t
 adapter) while drafting, so their K/V stay cached; after reranking, the slots of expanded nodes that did not make
 the tree are dropped, and the selected leaves that were never expanded run through ``[0, L_d)`` once. Each layer
 therefore runs exactly once per verified node, and the verifier continues at layer L_d.
+
+Speculative sampling (``state.sampler`` set) grows the tree differently, so that recursive rejection sampling over
+siblings stays lossless (see `cats.acceptance`): every expanded node's ``tree_topk`` children are *drawn* without
+replacement from the warped draft distribution q there (one `Draw` each); per depth the ``tree_topk`` drawn
+children with the highest cumulative draft log-probability are expanded (at most ``total_tokens`` in all), and the
+expanded nodes are exactly the verified ones. Whether a node is expanded is decided before its children are
+drawn, and every drawn child stays a candidate of its parent's draw, verified or not, so no candidate's presence
+depends on its own value. A drawn child that was not expanded can still be accepted, as the step's last token.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from cats.draft.adapter import Adapter
-from cats.draft.base import DecodeState, Proposal
+from cats.draft.base import DecodeState, Draw, Proposal
 from cats.draft.early_exit import EarlyExitDrafter
 from cats.errors import InvalidArgumentError
 from cats.model import LayeredModel
@@ -84,6 +92,8 @@ class TreeDrafter(EarlyExitDrafter):
         max_depth = min(self.depth, max_tokens)
         if max_depth <= 0:
             return Proposal.empty()
+        if state.sampler is not None:
+            return self._propose_drawn(state, max_depth)
         model, cache, committed = self.model, state.cache, state.committed_length
         # depth 0: x itself
         root = model.forward_layers(model.embed(torch.tensor([state.token_ids[-1]])), 0, self.layer, cache)
@@ -119,6 +129,55 @@ class TreeDrafter(EarlyExitDrafter):
             hidden=torch.cat([root, torch.stack([nodes[i].hidden for i in order])[None]], dim=1),
             hidden_layer=self.layer,
         )
+
+    def _propose_drawn(self, state: DecodeState, max_depth: int) -> Proposal:
+        """The tree for speculative sampling (module docstring): drawn children, verified = expanded nodes."""
+        model, cache, committed, sampler = self.model, state.cache, state.committed_length, state.sampler
+        root = model.forward_layers(model.embed(torch.tensor([state.token_ids[-1]])), 0, self.layer, cache)
+        tables = [self.node_logits(root, cache)]
+        nodes: list[_Node] = []  # every drawn child
+        draws: list[tuple[int, list[int], torch.Tensor]] = []  # (parent pool index or -1, children, q)
+        frontier = self._draw_children(nodes, draws, sampler.probs(tables[0][0]), -1, 0.0, 1, 0, sampler)
+        verified: list[int] = []  # pool indices, in cache-slot order
+        for depth in range(1, max_depth + 1):
+            room = min(self.tree_topk, self.total_tokens - len(verified))
+            frontier = sorted(frontier, key=lambda i: (-nodes[i].score, i))[:room]
+            if not frontier or (depth > 1 and self.threshold and math.exp(nodes[frontier[0]].score) < self.threshold):
+                break
+            logits = self._run_nodes(nodes, frontier, state, root_slot=committed)
+            verified += frontier
+            if depth == max_depth:
+                break
+            first_row = sum(t.shape[0] for t in tables)
+            tables.append(logits)
+            probs = sampler.probs(logits)  # q of every frontier node at once
+            frontier = [child for row, index in enumerate(frontier)
+                        for child in self._draw_children(nodes, draws, probs[row], index, nodes[index].score, depth + 1,
+                                                         first_row + row, sampler)]
+        position = {index: i for i, index in enumerate(verified)}
+        table = torch.cat(tables)
+        return Proposal(
+            tokens=torch.tensor([nodes[i].token for i in verified], dtype=torch.long),
+            parents=torch.tensor([position[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in verified]),
+            logits=table[torch.tensor([nodes[i].parent_row for i in verified])],
+            hidden=torch.cat([root, torch.stack([nodes[i].hidden for i in verified])[None]], dim=1),
+            hidden_layer=self.layer,
+            draws=[Draw(parent=position[parent] if parent >= 0 else -1, tokens=[nodes[c].token for c in children],
+                        nodes=[position.get(c) for c in children], probs=q) for parent, children, q in draws],
+        )
+
+    def _draw_children(self, nodes: list[_Node], draws: list, q: torch.Tensor, parent: int, parent_score: float,
+                       depth: int, parent_row: int, sampler) -> list[int]:
+        """Draw ``tree_topk`` children of a node without replacement from ``q`` (the warped draft distribution
+        there); add them to the pool and their draw to ``draws``; return their pool indices."""
+        tokens = sampler.draw(q, self.tree_topk)
+        log_q = torch.log(q[tokens].double()).tolist()
+        added = []
+        for token, log_prob in zip(tokens, log_q):
+            nodes.append(_Node(token, parent, depth, parent_score + log_prob, parent_row))
+            added.append(len(nodes) - 1)
+        draws.append((parent, added, q))
+        return added
 
     def _children(self, nodes: list[_Node], logits: torch.Tensor, parent: int, parent_score: float, depth: int,
                   parent_row: int) -> list[int]:

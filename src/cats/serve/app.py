@@ -181,7 +181,7 @@ class CompletionService:
     def model_card(self) -> dict:
         return {
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "cats",
-            "cats": {"method": self.engine.generator.method, "acceptance": self.engine.generator.acceptance.name,
+            "cats": {"method": self.engine.generator.method, "acceptance": "exact",  # the server never runs typical
                      "context_length": self.model.context_length, "sampling_available": sampling_available(),
                      "default_temperature": default_temperature(), "max_queue": self.engine.max_queue,
                      "version": cats.__version__},
