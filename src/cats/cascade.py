@@ -220,4 +220,7 @@ def make_scorer(method: str, model: LayeredModel, drafter, adapters: str | None 
     if method != "cats":
         return TargetScorer()
     shallow = load_adapter(find_adapter(adapters, "shallow"), model, role="shallow")
+    from cats.memory.offload import check_resident
+
+    check_resident(model, shallow.config.layer, f"the shallow verifier at layer {shallow.config.layer}")
     return CascadeScorer(model, shallow, drafter=drafter, sv_threshold=sv_threshold)

@@ -43,12 +43,33 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tree-topk", type=integer, default=4, help="tree/cats: children per expanded node and "
-                        "nodes expanded per depth (1 = a chain)")
-    parser.add_argument("--total-tokens", type=integer, default=16, help="tree/cats: nodes kept for verification")
-    parser.add_argument("--depth", type=integer, default=5, help="tree/cats: maximum depth")
+    parser.add_argument("--tree-topk", type=integer, default=None, help="tree/cats: children per expanded node and "
+                        "nodes expanded per depth (1 = a chain; default 4, or chosen from the budget)")
+    parser.add_argument("--total-tokens", type=integer, default=None, help="tree/cats: nodes kept for verification "
+                        "(default 16, or chosen from the budget)")
+    parser.add_argument("--depth", type=integer, default=None, help="tree/cats: maximum depth (default 5, or chosen "
+                        "from the budget)")
+
+
+def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--memory-budget", default=None, metavar="BYTES|PERCENT",
+                        help="run under a memory budget (e.g. 300MiB, 1.5GB, 50%% of the weight bytes): embeddings, "
+                        "lm_head, the draft layers, adapters, KV cache and activations stay resident, the deep layers "
+                        "stream from a per-layer store in $CATS_CACHE/layers (see docs/memory.md)")
+    parser.add_argument("--prefetch", type=integer, default=None,
+                        help="with --memory-budget: streamed layers read ahead of the one computing (default 2)")
+    parser.add_argument("--offload-io", choices=("direct", "buffered"), default=None,
+                        help="with --memory-budget: O_DIRECT reads (default) or buffered reads dropped from the page "
+                        "cache after each layer")
     parser.add_argument("--sv-threshold", type=float, default=0.05,
                         help="cats: the shallow verifier prunes nodes it gives a probability below this")
+
+
+def check_memory_flags(args) -> None:
+    """The offload flags mean nothing without --memory-budget: refuse them rather than ignore them."""
+    for flag in ("max_context", "prefetch", "offload_io"):
+        if getattr(args, flag, None) is not None:
+            raise InvalidArgumentError(f"--{flag.replace('_', '-')} applies with --memory-budget only")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,10 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="confidence stop: early-exit stops drafting below this draft probability, tree stops "
                      "expanding below this cumulative path probability")
     add_tree_arguments(gen)
+    add_memory_arguments(gen)
+    gen.add_argument("--max-context", type=integer, default=None, help="with --memory-budget: tokens of KV cache to "
+                     "plan for (default: the prompt plus --max-new-tokens)")
     gen.add_argument("--max-new-tokens", type=integer, default=128)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
-    gen.add_argument("--stats", action="store_true", help="print generation statistics to stderr")
+    gen.add_argument("--stats", action="store_true", help="print generation statistics to stderr (with "
+                     "--memory-budget: layer streaming counters and peak RSS)")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, "
                      "prompt_token_ids, stats) as the last stdout line")
     gen.set_defaults(run=run_generate)
@@ -141,12 +166,27 @@ def run_generate(args) -> int:
         if args.method != "cats":
             raise InvalidArgumentError("--no-shallow applies to --method cats only")
         args.method = "cats-no-shallow"
-    model = cats.load(args.model or default_model(), dtype=args.dtype)
+    source = args.model or default_model()
+    if args.memory_budget is None:
+        check_memory_flags(args)
+        model = cats.load(source, dtype=args.dtype)
+        prompt_ids = encode_prompt(model, prompt, chat=args.chat, system=args.system)
+    else:
+        from cats.generate import encode_with
+        from cats.memory.offload import prepare
+        from cats.model.load import load_tokenizer
+
+        prompt_ids = encode_with(load_tokenizer(source), source, prompt, chat=args.chat, system=args.system)
+        context = args.max_context or len(prompt_ids) + args.max_new_tokens
+        model = prepare(source, args.memory_budget, dtype=args.dtype, method=args.method, adapters=args.adapters,
+                        draft_layer=args.draft_layer, num_draft_tokens=args.num_draft_tokens,
+                        total_tokens=args.total_tokens, context_tokens=context,
+                        prefetch=2 if args.prefetch is None else args.prefetch, offload_io=args.offload_io or "direct")
+        print(model.memory_plan.describe(), file=sys.stderr)
     drafter = make_drafter(args.method, model, num_draft_tokens=args.num_draft_tokens,
                            draft_layer=args.draft_layer, max_ngram=args.max_ngram, adapters=args.adapters,
                            threshold=args.threshold, tree_topk=args.tree_topk, total_tokens=args.total_tokens,
                            depth=args.depth)
-    prompt_ids = encode_prompt(model, prompt, chat=args.chat, system=args.system)
     streamer = TextStreamer(model.tokenizer) if model.tokenizer is not None else None
     scorer = make_scorer(args.method, model, drafter, args.adapters, args.sv_threshold)
     generator = Generator(model, drafter, method=args.method, scorer=scorer)

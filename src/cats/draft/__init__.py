@@ -7,6 +7,7 @@ from cats.draft.early_exit import EarlyExitDrafter, default_draft_layer
 from cats.draft.prompt_lookup import PromptLookupDrafter
 from cats.draft.tree_draft import TreeDrafter
 from cats.errors import InvalidArgumentError, UnknownMethodError
+from cats.memory.speculation import speculation_for
 from cats.model import LayeredModel
 
 METHODS = ("ar", "pld", "early-exit", "tree", "cats", "cats-no-shallow")
@@ -19,6 +20,14 @@ def _draft_adapter(adapters: str | None, model: LayeredModel):
     from cats.draft.adapter import find_adapter, load_adapter
 
     return load_adapter(find_adapter(adapters, "draft"), model, role="draft")
+
+
+def _check_resident(model: LayeredModel, layer: int) -> None:
+    """Under a memory budget the draft layers must be resident (an out-of-range layer is the drafter's error)."""
+    from cats.memory.offload import check_resident
+
+    if 1 <= layer < model.num_layers:
+        check_resident(model, layer, f"drafting from layer {layer}")
 
 
 def check_method(method: str) -> str:
@@ -36,15 +45,19 @@ def make_drafter(
     max_ngram: int = 3,
     adapters: str | None = None,
     threshold: float = 0.0,
-    tree_topk: int = 4,
-    total_tokens: int = 16,
-    depth: int = 5,
+    tree_topk: int | None = None,
+    total_tokens: int | None = None,
+    depth: int | None = None,
 ) -> Drafter | None:
     """The drafter for a method name; ``None`` for plain autoregressive decoding (``ar``).
 
     ``adapters``: a folder with trained adapters (``DIR/draft/`` or an adapter folder itself); early exit and
     trees then draft through the draft adapter at its own layer. ``threshold``: their confidence stop.
-    ``tree_topk``, ``total_tokens``, ``depth``: the shape of dynamic draft trees (method ``tree``)."""
+    ``tree_topk``, ``total_tokens``, ``depth``: the shape of dynamic draft trees (method ``tree``).
+
+    Left as None, the early-exit draft length and the tree shape are 4 and (4, 16, 5); when the model streams
+    layers under a memory budget they come from the speculation bucket chosen for the budget's I/O cost
+    (`cats.memory.speculation`)."""
     check_method(method)
     if method in ("cats", "cats-no-shallow") and adapters is None:
         raise InvalidArgumentError(f"method {method!r} needs --adapters DIR holding trained draft/ and shallow/ adapters "
@@ -55,12 +68,22 @@ def make_drafter(
         return None
     if method == "pld":
         return PromptLookupDrafter(num_tokens=num_draft_tokens or 10, max_ngram=max_ngram)
+    adapter = _draft_adapter(adapters, model)
+    layer = adapter.config.layer if adapter is not None else draft_layer
+    _check_resident(model, default_draft_layer(model) if layer is None else layer)
     if method == "early-exit":
-        return EarlyExitDrafter(model, layer=draft_layer, num_tokens=num_draft_tokens or 4,
-                                adapter=_draft_adapter(adapters, model), threshold=threshold)
+        if num_draft_tokens is None:
+            num_draft_tokens = speculation_for(model, chain=True)[0].num_draft_tokens
+        return EarlyExitDrafter(model, layer=draft_layer, num_tokens=num_draft_tokens, adapter=adapter,
+                                threshold=threshold)
     if method in ("tree", "cats", "cats-no-shallow"):
-        return TreeDrafter(model, layer=draft_layer, adapter=_draft_adapter(adapters, model), tree_topk=tree_topk,
-                           total_tokens=total_tokens, depth=depth, threshold=threshold)
+        if None in (tree_topk, total_tokens, depth):
+            bucket = speculation_for(model)[0]
+            tree_topk = bucket.tree_topk if tree_topk is None else tree_topk
+            total_tokens = bucket.total_tokens if total_tokens is None else total_tokens
+            depth = bucket.depth if depth is None else depth
+        return TreeDrafter(model, layer=draft_layer, adapter=adapter, tree_topk=tree_topk, total_tokens=total_tokens,
+                           depth=depth, threshold=threshold)
     raise AssertionError(f"method {method!r} is listed in METHODS but has no drafter")
 
 

@@ -1,0 +1,242 @@
+"""Running a model under a memory budget: plan, layer store, resident parts, streamer.
+
+Two ways in:
+
+* `load_under_budget` (what ``cats.load(..., memory_budget=...)`` calls): builds the model skeleton with every
+  parameter on the meta device, plans, makes the layer store from the checkpoint if it is not there yet (one part
+  in memory at a time), reads only the resident parts, and starts streaming the rest. The streamed layers are
+  never materialised whole, so the process's peak stays within the plan.
+* `offload_model`: a model already in memory is put under a budget in place (the store is written from its
+  parameters, then the streamed layers' parameters are dropped). Its peak so far already held the whole model;
+  use it for tests and for models that do not come from a checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from cats.errors import InvalidArgumentError
+from cats.memory.budget import (DEFAULT_CONTEXT_TOKENS, DEFAULT_PREFETCH, MemoryNeeds, MemoryPlan, PartSizes,
+                                activation_bytes, kv_cache_bytes, parse_budget, plan_memory)
+from cats.memory.store import (Checkpoint, LayerStore, StoreError, ensure_store, model_source, part_modules,
+                               read_part, tied_aliases, write_from_checkpoint, write_from_model)
+from cats.memory.stream import IO_MODES, LayerStreamer
+from cats.model.identity import fingerprint_of, fingerprint_rows, model_fingerprint
+
+
+def plan_for(hf_model, budget: str | int, needs: MemoryNeeds) -> MemoryPlan:
+    """The plan for ``hf_model`` (real or meta parameters) under ``budget`` (bytes, ``300MiB`` or ``50%``)."""
+    config = hf_model.config
+    parts = PartSizes.of(hf_model)
+    itemsize = hf_model.model.embed_tokens.weight.element_size()
+    kv = kv_cache_bytes(config, itemsize, needs.context_tokens + needs.max_tree_tokens, needs.extra_cache_layers)
+    # a decode pass over the largest tree (logits for every node), or the prefill (logits for one row)
+    activation = max(activation_bytes(config, itemsize, needs.max_tree_tokens, needs.context_tokens),
+                     activation_bytes(config, itemsize, needs.context_tokens, 0, logit_rows=1))
+    return plan_memory(parse_budget(budget, parts.weights), parts, needs, kv, activation)
+
+
+def _check_io(io: str) -> None:
+    if io not in IO_MODES:
+        raise InvalidArgumentError(f"offload I/O mode must be one of {', '.join(IO_MODES)}, got {io!r}")
+
+
+def _default_needs(config, needs: MemoryNeeds | None) -> MemoryNeeds:
+    if needs is not None:
+        return needs
+    context = int(getattr(config, "max_position_embeddings", 0) or DEFAULT_CONTEXT_TOKENS)
+    return MemoryNeeds(context_tokens=min(DEFAULT_CONTEXT_TOKENS, context))
+
+
+def _set_parameters(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    for name, tensor in tensors.items():
+        owner, _, attribute = name.rpartition(".")
+        target = module.get_submodule(owner) if owner else module
+        target._parameters[attribute] = torch.nn.Parameter(tensor, requires_grad=False)
+
+
+def _start_streaming(hf_model, store: LayerStore, plan: MemoryPlan, io: str) -> LayerStreamer | None:
+    if not plan.streamed:
+        return None
+    return LayerStreamer(hf_model.model.layers, plan.num_layers, store, plan.resident_layers, plan.pool_slots,
+                         plan.slot_bytes, io=io)
+
+
+def build_skeleton(config, dtype: torch.dtype, attn_implementation: str = "sdpa"):
+    """The ``*ForCausalLM`` module with every parameter on the meta device (buffers such as rotary frequencies
+    are real), tied weights tied."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    hf_model.tie_weights()
+    return hf_model.eval().requires_grad_(False)
+
+
+def load_under_budget(folder: str | Path, config, dtype: torch.dtype, budget: str | int,
+                      needs: MemoryNeeds | None = None, io: str = "direct", layer_store: str | Path | None = None,
+                      attn_implementation: str = "sdpa"):
+    """Load the checkpoint in ``folder`` under ``budget``: ``(hf_model, plan, streamer or None)``.
+
+    Raises `BudgetTooSmallError` before reading any weight when the budget cannot hold the minimum."""
+    _check_io(io)
+    hf_model = build_skeleton(config, dtype, attn_implementation)
+    _load_generation_config(hf_model, folder)
+    needs = _default_needs(config, needs)
+    plan = plan_for(hf_model, budget, needs)
+    checkpoint = Checkpoint(Path(folder))
+    head = "lm_head.weight"
+    rows = checkpoint.read(head, tied_aliases(hf_model), fingerprint_rows(config.vocab_size)).to(dtype)
+    fingerprint = fingerprint_of(config, rows)
+    parts = {part: sum(p.numel() * p.element_size() for p in module.parameters())
+             for part, (_, module) in part_modules(hf_model).items()}
+    store = ensure_store(layer_store, fingerprint, dtype, config, checkpoint.source(), parts,
+                         write_from_checkpoint(checkpoint, hf_model, dtype))
+    modules = part_modules(hf_model)
+    resident = ["embed", "norm", *(["lm_head"] if "lm_head" in modules else []),
+                *(f"layer-{i:03d}" for i in range(plan.resident_layers))]
+    for part in resident:
+        _set_parameters(modules[part][1], read_part(store.header(part)))
+    if "lm_head" not in modules:
+        hf_model.lm_head._parameters["weight"] = hf_model.model.embed_tokens.weight
+    return hf_model, plan, _start_streaming(hf_model, store, plan, io)
+
+
+def _load_generation_config(hf_model, folder) -> None:
+    """``from_pretrained`` reads ``generation_config.json`` (end-of-sequence ids); the skeleton must too."""
+    if (Path(folder) / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        try:
+            hf_model.generation_config = GenerationConfig.from_pretrained(folder)
+        except (OSError, ValueError):
+            pass
+
+
+def offload_model(model, budget: str | int, needs: MemoryNeeds | None = None, io: str = "direct",
+                  layer_store: str | Path | None = None) -> MemoryPlan:
+    """Put a `LayeredModel` already in memory under ``budget``: store its layers (once), drop the streamed layers'
+    parameters and stream them from then on. Returns the plan (also ``model.memory_plan``)."""
+    _check_io(io)
+    if model.weights is not None:
+        raise InvalidArgumentError("this model already runs under a memory budget; load it again to change the budget")
+    hf_model = model.hf_model
+    needs = _default_needs(model.config, needs)
+    plan = plan_for(hf_model, budget, needs)
+    modules = part_modules(hf_model)
+    parts = {part: sum(p.numel() * p.element_size() for p in module.parameters()) for part, (_, module) in modules.items()}
+    store = ensure_store(layer_store, model_fingerprint(model), model.dtype, model.config, model_source(hf_model),
+                         parts, write_from_model(hf_model))
+    for layer in plan.streamed:
+        module = model.layers[layer]
+        _set_parameters(module, {name: torch.empty_like(p, device="meta") for name, p in module.named_parameters()})
+    model.attach_weights(_start_streaming(hf_model, store, plan, io), plan)
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------- method needs
+def adapter_bytes(folder: Path, hidden_size: int, itemsize: int) -> tuple[int, int]:
+    """``(layer, resident bytes)`` of an adapter folder: its block and norm in the model's dtype, plus the lm_head
+    rows it gathers once for a reduced draft vocabulary."""
+    from cats.draft.adapter import AdapterError
+    from cats.memory.store import read_header
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise AdapterError(f"cannot read adapter config {folder / 'config.json'}: {error}") from None
+    header = read_header(folder / "model.safetensors")
+    numel = sum(_numel(e.shape) for e in header.entries.values())
+    vocab = config.get("vocab_subset") or []
+    return int(config["layer"]), numel * itemsize + len(vocab) * (hidden_size * itemsize + 8)
+
+
+def _numel(shape) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def memory_needs(config, dtype: torch.dtype, method: str = "ar", adapters: str | None = None,
+                 draft_layer: int | None = None, num_draft_tokens: int | None = None, total_tokens: int | None = None,
+                 context_tokens: int | None = None, prefetch: int = DEFAULT_PREFETCH) -> MemoryNeeds:
+    """What ``method`` needs resident besides the weights: the layers every draft step runs (``[0, L_d)``, or
+    ``[0, L_sv)`` for the cascade), its adapters, and the largest pass it verifies (the largest speculation bucket
+    when the tree size is left to the budget)."""
+    from cats.draft import check_method
+    from cats.draft.adapter import find_adapter
+    from cats.memory.speculation import BUCKETS
+
+    check_method(method)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    context = int(getattr(config, "max_position_embeddings", 0) or DEFAULT_CONTEXT_TOKENS)
+    needs = MemoryNeeds(context_tokens=context_tokens or min(DEFAULT_CONTEXT_TOKENS, context), prefetch=prefetch)
+    layers, extra, resident = [], 0, 0
+    if adapters is not None and method not in ("ar", "pld"):
+        roles = ("draft", "shallow") if method == "cats" else ("draft",)
+        for role in roles:
+            layer, size = adapter_bytes(find_adapter(adapters, role), config.hidden_size, itemsize)
+            layers.append(layer)
+            resident += size
+            extra += 1
+    if method in ("early-exit", "tree", "cats-no-shallow", "cats") and not layers:
+        layers.append(draft_layer if draft_layer is not None else max(1, config.num_hidden_layers // 8))
+    needs.min_resident_layers = min(max(layers, default=0), config.num_hidden_layers)
+    needs.adapter_bytes, needs.extra_cache_layers = resident, extra
+    if method == "pld":
+        needs.max_tree_tokens = (num_draft_tokens or 10) + 1
+    elif method == "early-exit":
+        needs.max_tree_tokens = (num_draft_tokens or max(b.num_draft_tokens for b in BUCKETS)) + 1
+    elif method in ("tree", "cats-no-shallow", "cats"):
+        nodes = total_tokens or max(b.total_tokens for b in BUCKETS)
+        needs.max_tree_tokens = (2 * nodes if method == "cats" else nodes) + 1  # the cascade may add corrections
+    return needs
+
+
+def check_resident(model, layers: int, what: str) -> None:
+    """Refuse to run ``what`` (which runs layers ``[0, layers)`` every draft step) when the plan streams some of
+    them: every draft step would then read them again."""
+    plan = model.memory_plan
+    if plan is not None and layers > plan.resident_layers:
+        raise InvalidArgumentError(
+            f"{what} runs layers [0, {layers}) every draft step, but the memory plan keeps only [0, "
+            f"{plan.resident_layers}) resident; load the model with the method's needs (cats.memory.memory_needs) "
+            "or a larger budget")
+
+
+def prepare(model, memory_budget: str | int, *, dtype="float32", method: str = "ar", adapters: str | None = None,
+            draft_layer: int | None = None, num_draft_tokens: int | None = None, total_tokens: int | None = None,
+            context_tokens: int | None = None, prefetch: int = DEFAULT_PREFETCH, offload_io: str = "direct",
+            layer_store: str | Path | None = None):
+    """``model`` (a path or Hub id to load, or a `LayeredModel` in memory) ready to run ``method`` under
+    ``memory_budget``, with the method's needs (`memory_needs`) in the plan. A model already under the same budget
+    is returned as it is."""
+    from cats.model import LayeredModel, load_model
+    from cats.model.load import resolve_dtype
+
+    if isinstance(model, LayeredModel):
+        config, torch_dtype = model.config, model.dtype
+    else:
+        from transformers import AutoConfig
+
+        from cats.model.load import _local_folder
+
+        torch_dtype = resolve_dtype(dtype)
+        config = AutoConfig.from_pretrained(_local_folder(str(model)))
+    needs = memory_needs(config, torch_dtype, method, adapters=adapters, draft_layer=draft_layer,
+                         num_draft_tokens=num_draft_tokens, total_tokens=total_tokens, context_tokens=context_tokens,
+                         prefetch=prefetch)
+    if not isinstance(model, LayeredModel):
+        return load_model(model, dtype=torch_dtype, memory_budget=memory_budget, memory_needs=needs,
+                          offload_io=offload_io, layer_store=layer_store)
+    if model.memory_plan is not None:
+        if parse_budget(memory_budget, model.memory_plan.parts.weights) != model.memory_plan.budget:
+            raise InvalidArgumentError("this model already runs under another memory budget; load it again to change it")
+        return model
+    offload_model(model, memory_budget, needs, offload_io, layer_store)
+    return model
