@@ -88,14 +88,7 @@ def load_under_budget(folder: str | Path, config, dtype: torch.dtype, budget: st
     _load_generation_config(hf_model, folder)
     needs = _default_needs(config, needs)
     plan = plan_for(hf_model, budget, needs)
-    checkpoint = Checkpoint(Path(folder))
-    head = "lm_head.weight"
-    rows = checkpoint.read(head, tied_aliases(hf_model), fingerprint_rows(config.vocab_size)).to(dtype)
-    fingerprint = fingerprint_of(config, rows)
-    parts = {part: sum(p.numel() * p.element_size() for p in module.parameters())
-             for part, (_, module) in part_modules(hf_model).items()}
-    store = ensure_store(layer_store, fingerprint, dtype, config, checkpoint.source(), parts,
-                         write_from_checkpoint(checkpoint, hf_model, dtype))
+    store = checkpoint_store(folder, hf_model, dtype, layer_store)
     modules = part_modules(hf_model)
     resident = ["embed", "norm", *(["lm_head"] if "lm_head" in modules else []),
                 *(f"layer-{i:03d}" for i in range(plan.resident_layers))]
@@ -104,6 +97,19 @@ def load_under_budget(folder: str | Path, config, dtype: torch.dtype, budget: st
     if "lm_head" not in modules:
         hf_model.lm_head._parameters["weight"] = hf_model.model.embed_tokens.weight
     return hf_model, plan, _start_streaming(hf_model, store, plan, io)
+
+
+def checkpoint_store(folder: str | Path, hf_model, dtype: torch.dtype, layer_store: str | Path | None = None) -> LayerStore:
+    """The layer store of the checkpoint in ``folder`` (made now if absent), for the model skeleton ``hf_model``.
+    Its key is the model fingerprint, computed from the checkpoint's own lm_head rows, so that a store holding
+    another model's weights is caught (`cats.memory.store.open_store`)."""
+    config = hf_model.config
+    checkpoint = Checkpoint(Path(folder))
+    rows = checkpoint.read("lm_head.weight", tied_aliases(hf_model), fingerprint_rows(config.vocab_size)).to(dtype)
+    parts = {part: sum(p.numel() * p.element_size() for p in module.parameters())
+             for part, (_, module) in part_modules(hf_model).items()}
+    return ensure_store(layer_store, fingerprint_of(config, rows), dtype, config, checkpoint.source(), parts,
+                        write_from_checkpoint(checkpoint, hf_model, dtype))
 
 
 def _load_generation_config(hf_model, folder) -> None:

@@ -8,8 +8,10 @@
   method's reads is reported too.
 * Bytes read from storage: ``read_bytes`` of ``/proc/self/io`` (reads served by the page cache are not in it).
 * The runtime baseline: the peak RSS of a fresh process that imports torch, transformers and CATS, reads the
-  tokenizer and builds the model skeleton with every weight on the meta device, i.e. everything but weights,
-  KV cache and activations (`runtime_baseline`, run as ``python -m cats.memory.rss MODEL``).
+  tokenizer, builds the model skeleton with every weight on the meta device, and runs one small matrix product and
+  one small attention call on random 64-wide tensors with the run's thread count (torch's kernels and thread pool
+  set themselves up on first use): everything but weights, KV cache and activations (`runtime_baseline`, run as
+  ``python -m cats.memory.rss MODEL THREADS``).
 """
 
 from __future__ import annotations
@@ -112,20 +114,33 @@ def page_cache_bytes(paths) -> int:
     return total
 
 
-def runtime_baseline(model: str, timeout_s: float = 300) -> dict:
+def evict_page_cache(paths) -> None:
+    """Ask the kernel to drop these files from its page cache (``POSIX_FADV_DONTNEED``; clean pages only)."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def runtime_baseline(model: str, threads: int | None = None, timeout_s: float = 300) -> dict:
     """Measure the runtime baseline of ``model`` in a fresh process: ``{"peak_rss_mb", "rss_mb"}``."""
     environment = dict(os.environ)
     source = str(Path(__file__).resolve().parents[2])
     environment["PYTHONPATH"] = source + os.pathsep + environment.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, "-m", "cats.memory.rss", model], capture_output=True, text=True,
-                          timeout=timeout_s, env=environment)
+    command = [sys.executable, "-m", "cats.memory.rss", model] + ([str(threads)] if threads else [])
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=environment)
     if done.returncode != 0:
         raise RuntimeError(f"measuring the runtime baseline failed: {done.stderr.strip()[-500:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _measure_baseline(model: str) -> dict:
-    import torch  # noqa: F401
+def _measure_baseline(model: str, threads: int | None = None) -> dict:
+    import torch
     import transformers  # noqa: F401
     from transformers import AutoConfig
 
@@ -136,8 +151,13 @@ def _measure_baseline(model: str) -> dict:
     folder = _local_folder(model)
     load_tokenizer(model)
     build_skeleton(AutoConfig.from_pretrained(folder), torch.float32)
+    if threads:
+        torch.set_num_threads(threads)
+    x = torch.randn(1, 4, 64, 64)
+    torch.nn.functional.linear(x, torch.randn(64, 64))
+    torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=torch.zeros(64, 64))
     return {"peak_rss_mb": round(peak_rss_bytes() / MIB, 1), "rss_mb": round(current_rss_bytes() / MIB, 1)}
 
 
 if __name__ == "__main__":
-    print(json.dumps(_measure_baseline(sys.argv[1])))
+    print(json.dumps(_measure_baseline(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None)))

@@ -117,6 +117,7 @@ def read_header(path: Path) -> PartHeader:
             if length > size - 8:
                 raise StoreError(f"layer file {path} is truncated: its header needs {length} bytes, the file has {size}")
             header = json.loads(handle.read(length))
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # the header's pages and read-ahead
     except OSError as error:
         raise StoreError(f"cannot read layer file {path}: {error.strerror or error}") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
