@@ -25,7 +25,8 @@ def test_parse_budget():
     assert parse_budget(4096, 0) == 4096
     assert parse_budget("50%", 1000) == 500
     assert parse_budget("12.5%", 800) == 100
-    for bad in ("abc", "0", "0MiB", "150%", "0%", "-5MB", "5 parsecs", "", "MiB"):
+    assert parse_budget("150%", 800) == 1200  # weights plus room for the KV cache and activations
+    for bad in ("abc", "0", "0MiB", "0%", "-5MB", "5 parsecs", "", "MiB"):
         with pytest.raises(InvalidArgumentError, match="memory budget"):
             parse_budget(bad, 1000)
 

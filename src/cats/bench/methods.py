@@ -36,6 +36,8 @@ from cats.model import LayeredModel
 
 HF_METHODS = ("hf-ar", "hf-pld", "hf-early-exit")
 OFFLOAD_METHODS = ("hf-offload",)
+UNBUDGETED = ("{name} holds the whole model in memory and cannot run under --memory-budget (hf-offload is "
+              "transformers' own offloading under the budget)")
 LLAMA_CPP_METHODS = ("llama-cpp", "llama-cpp-pld")
 DEFAULT_PLD_TOKENS = 10  # the defaults of `cats.draft.make_drafter`, used for the baselines' equivalents too
 DEFAULT_EARLY_EXIT_TOKENS = 4
@@ -147,11 +149,9 @@ class CatsMethod(BenchMethod):
             info["cascade"] = self.scorer.describe()
         model = self.generator.model
         if model.memory_plan is not None:
-            from cats.memory.speculation import speculation_for
-
             info["streamed_layers"] = [model.memory_plan.resident_layers, model.num_layers]
-            if self.drafter is not None and self.drafter.name in ("early-exit", "tree", "cats", "cats-no-shallow"):
-                info["speculation"] = speculation_for(model, chain=self.drafter.name == "early-exit")[1]
+        if self.drafter is not None and self.drafter.speculation is not None:
+            info["speculation"] = self.drafter.speculation
         return info
 
 
@@ -378,8 +378,7 @@ class LlamaCppMethod(BenchMethod):
 def make_method(name: str, context: BenchContext) -> BenchMethod:
     """The method called ``name``; raises `MethodUnavailableError` for a known method that cannot run here."""
     if context.memory_budget is not None and name in HF_METHODS + LLAMA_CPP_METHODS:
-        raise MethodUnavailableError(f"{name} holds the whole model in memory and cannot run under --memory-budget "
-                                     "(hf-offload is transformers' own offloading under the budget)")
+        raise MethodUnavailableError(UNBUDGETED.format(name=name))
     if name in CATS_METHODS:
         return CatsMethod(name, context)
     if name in HF_METHODS:

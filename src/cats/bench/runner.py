@@ -29,7 +29,8 @@ from tqdm import tqdm
 
 from cats.bench.answers import PARTIAL_SUFFIX, AnswerWriter, finish_file, new_answer, read_answers
 from cats.bench.memory import PeakRssSampler
-from cats.bench.methods import BenchContext, BenchMethod, MethodSettings, MethodUnavailableError, make_method
+from cats.bench.methods import (HF_METHODS, LLAMA_CPP_METHODS, UNBUDGETED, BenchContext, BenchMethod, MethodSettings,
+                                MethodUnavailableError, make_method)
 from cats.bench.plots import ACCEPT_PLOT, SPEEDUP_PLOT, plot_accept_lengths, plot_speedup
 from cats.bench.prompts import Conversation, check_prompt_format
 from cats.bench.questions import Question, read_questions, select_questions
@@ -258,6 +259,9 @@ def run_in_workers(config: BenchConfig, questions: list[Question], out: Path, mo
     jobs = Path(tempfile.mkdtemp(prefix=".cats-bench-jobs-", dir=out))
     try:
         for name in config.methods:
+            if name in HF_METHODS + LLAMA_CPP_METHODS:  # known not to run under a budget: no process needed
+                skipped[name] = UNBUDGETED.format(name=name)
+                continue
             job = {
                 "model": config.model, "method": name, "dtype": config.dtype, "threads": config.settings.threads,
                 "settings": asdict(config.settings), "memory_budget": config.memory_budget,

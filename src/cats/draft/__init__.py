@@ -71,20 +71,26 @@ def make_drafter(
     adapter = _draft_adapter(adapters, model)
     layer = adapter.config.layer if adapter is not None else draft_layer
     _check_resident(model, default_draft_layer(model) if layer is None else layer)
+    chosen = None  # (bucket, why) when the budget chose the draft size
     if method == "early-exit":
         if num_draft_tokens is None:
-            num_draft_tokens = speculation_for(model, chain=True)[0].num_draft_tokens
-        return EarlyExitDrafter(model, layer=draft_layer, num_tokens=num_draft_tokens, adapter=adapter,
-                                threshold=threshold)
-    if method in ("tree", "cats", "cats-no-shallow"):
+            chosen = speculation_for(model, chain=True)
+            num_draft_tokens = chosen[0].num_draft_tokens
+        drafter = EarlyExitDrafter(model, layer=draft_layer, num_tokens=num_draft_tokens, adapter=adapter,
+                                   threshold=threshold)
+    elif method in ("tree", "cats", "cats-no-shallow"):
         if None in (tree_topk, total_tokens, depth):
-            bucket = speculation_for(model)[0]
-            tree_topk = bucket.tree_topk if tree_topk is None else tree_topk
-            total_tokens = bucket.total_tokens if total_tokens is None else total_tokens
-            depth = bucket.depth if depth is None else depth
-        return TreeDrafter(model, layer=draft_layer, adapter=adapter, tree_topk=tree_topk, total_tokens=total_tokens,
-                           depth=depth, threshold=threshold)
-    raise AssertionError(f"method {method!r} is listed in METHODS but has no drafter")
+            chosen = speculation_for(model)
+            tree_topk = chosen[0].tree_topk if tree_topk is None else tree_topk
+            total_tokens = chosen[0].total_tokens if total_tokens is None else total_tokens
+            depth = chosen[0].depth if depth is None else depth
+        drafter = TreeDrafter(model, layer=draft_layer, adapter=adapter, tree_topk=tree_topk,
+                              total_tokens=total_tokens, depth=depth, threshold=threshold)
+    else:
+        raise AssertionError(f"method {method!r} is listed in METHODS but has no drafter")
+    if chosen is not None and model.memory_plan is not None:
+        drafter.speculation = chosen[1]
+    return drafter
 
 
 __all__ = [

@@ -55,8 +55,8 @@ def parse_budget(text: str | int, weight_bytes: int) -> int:
                 "of the weight bytes (50%)")
         value, unit = float(match.group(1)), match.group(2).lower()
     if unit == "%":
-        if not 0 < value <= 100:
-            raise InvalidArgumentError(f"memory budget {text!r}: a percentage must lie in (0, 100]")
+        if value <= 0:
+            raise InvalidArgumentError(f"memory budget {text!r}: a percentage must be positive")
         return int(weight_bytes * value / 100)
     if unit not in UNITS:
         raise InvalidArgumentError(f"memory budget {text!r}: unknown unit {unit!r}; use B, KB, MB, GB, KiB, MiB, GiB or %")
