@@ -264,6 +264,9 @@ class HfOffloadMethod(HfGenerateMethod):
         if self.max_memory <= 0:
             raise MethodUnavailableError(f"{name}: the budget {mib(budget)} leaves nothing for weights after the KV "
                                          f"cache ({mib(plan.kv_bytes)}) and activations ({mib(plan.activation_bytes)})")
+        from cats.memory.rss import bound_heap
+
+        bound_heap()  # the same allocator setting as CATS under a budget
         self.offload_folder = tempfile.mkdtemp(prefix="cats-hf-offload-")
         try:
             hf_model = AutoModelForCausalLM.from_pretrained(

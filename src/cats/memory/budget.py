@@ -19,7 +19,7 @@ sizes (`PartSizes.of`); KV cache and activations are estimates from the config (
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from cats.errors import InvalidArgumentError
 

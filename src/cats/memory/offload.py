@@ -21,7 +21,8 @@ import torch
 from cats.errors import InvalidArgumentError
 from cats.memory.budget import (DEFAULT_CONTEXT_TOKENS, DEFAULT_PREFETCH, MemoryNeeds, MemoryPlan, PartSizes,
                                 activation_bytes, kv_cache_bytes, parse_budget, plan_memory)
-from cats.memory.store import (Checkpoint, LayerStore, StoreError, ensure_store, model_source, part_modules,
+from cats.memory.rss import bound_heap
+from cats.memory.store import (Checkpoint, LayerStore, ensure_store, model_source, part_modules,
                                read_part, tied_aliases, write_from_checkpoint, write_from_model)
 from cats.memory.stream import IO_MODES, LayerStreamer
 from cats.model.identity import fingerprint_of, fingerprint_rows, model_fingerprint
@@ -84,6 +85,7 @@ def load_under_budget(folder: str | Path, config, dtype: torch.dtype, budget: st
 
     Raises `BudgetTooSmallError` before reading any weight when the budget cannot hold the minimum."""
     _check_io(io)
+    bound_heap()
     hf_model = build_skeleton(config, dtype, attn_implementation)
     _load_generation_config(hf_model, folder)
     needs = _default_needs(config, needs)
@@ -128,6 +130,7 @@ def offload_model(model, budget: str | int, needs: MemoryNeeds | None = None, io
     """Put a `LayeredModel` already in memory under ``budget``: store its layers (once), drop the streamed layers'
     parameters and stream them from then on. Returns the plan (also ``model.memory_plan``)."""
     _check_io(io)
+    bound_heap()
     if model.weights is not None:
         raise InvalidArgumentError("this model already runs under a memory budget; load it again to change the budget")
     hf_model = model.hf_model

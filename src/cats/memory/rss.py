@@ -6,12 +6,17 @@
 * The page cache is not in RSS for files read with ``pread``: `page_cache_bytes` asks the kernel (``mincore`` on
   a temporary mapping) how many bytes of given files it holds in its cache, so memory the kernel keeps for a
   method's reads is reported too.
+* Freed memory that stays in the process: glibc serves allocations below its mmap threshold from its heaps and
+  keeps freed heap memory; the threshold grows on its own (up to 32 MiB) after large blocks are freed, so after a
+  few decode steps every activation comes from the heap and the RSS only grows. `bound_heap` fixes the threshold
+  at 1 MiB (blocks of 1 MiB or more get their own mapping and go back to the OS when freed); a model put under a
+  budget calls it.
 * Bytes read from storage: ``read_bytes`` of ``/proc/self/io`` (reads served by the page cache are not in it).
 * The runtime baseline: the peak RSS of a fresh process that imports torch, transformers and CATS, reads the
   tokenizer, builds the model skeleton with every weight on the meta device, and runs one small matrix product and
   one small attention call on random 64-wide tensors with the run's thread count (torch's kernels and thread pool
   set themselves up on first use): everything but weights, KV cache and activations (`runtime_baseline`, run as
-  ``python -m cats.memory.rss MODEL THREADS``).
+  ``python -m cats.memory.baseline MODEL THREADS``).
 """
 
 from __future__ import annotations
@@ -114,6 +119,20 @@ def page_cache_bytes(paths) -> int:
     return total
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def bound_heap(threshold: int = 1 << 20) -> bool:
+    """Fix glibc's mmap threshold at ``threshold`` bytes (see the module docstring); False where the C library is not
+    glibc (nothing changes)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(M_MMAP_THRESHOLD, threshold) == 1
+
+
 def evict_page_cache(paths) -> None:
     """Ask the kernel to drop these files from its page cache (``POSIX_FADV_DONTNEED``; clean pages only)."""
     for path in paths:
@@ -132,32 +151,8 @@ def runtime_baseline(model: str, threads: int | None = None, timeout_s: float = 
     environment = dict(os.environ)
     source = str(Path(__file__).resolve().parents[2])
     environment["PYTHONPATH"] = source + os.pathsep + environment.get("PYTHONPATH", "")
-    command = [sys.executable, "-m", "cats.memory.rss", model] + ([str(threads)] if threads else [])
+    command = [sys.executable, "-m", "cats.memory.baseline", model] + ([str(threads)] if threads else [])
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=environment)
     if done.returncode != 0:
         raise RuntimeError(f"measuring the runtime baseline failed: {done.stderr.strip()[-500:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _measure_baseline(model: str, threads: int | None = None) -> dict:
-    import torch
-    import transformers  # noqa: F401
-    from transformers import AutoConfig
-
-    import cats  # noqa: F401
-    from cats.memory.offload import build_skeleton
-    from cats.model.load import _local_folder, load_tokenizer
-
-    folder = _local_folder(model)
-    load_tokenizer(model)
-    build_skeleton(AutoConfig.from_pretrained(folder), torch.float32)
-    if threads:
-        torch.set_num_threads(threads)
-    x = torch.randn(1, 4, 64, 64)
-    torch.nn.functional.linear(x, torch.randn(64, 64))
-    torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=torch.zeros(64, 64))
-    return {"peak_rss_mb": round(peak_rss_bytes() / MIB, 1), "rss_mb": round(current_rss_bytes() / MIB, 1)}
-
-
-if __name__ == "__main__":
-    print(json.dumps(_measure_baseline(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None)))

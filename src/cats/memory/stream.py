@@ -115,8 +115,8 @@ class LayerStreamer:
         self.generation = 0  # bumped when the access order restarts: reads in flight for the old order are dropped
         self.closed = False
         self.condition = threading.Condition()
+        # started on first use, so that its first reads (which measure the bandwidth) do not compete with loading
         self.thread = threading.Thread(target=self._read_forever, name="cats-layer-reader", daemon=True)
-        self.thread.start()
 
     # ------------------------------------------------------------------------------------------ the compute side
     def is_streamed(self, layer: int) -> bool:
@@ -126,6 +126,7 @@ class LayerStreamer:
         """Make layer ``layer``'s parameters real (views of the buffer holding it), waiting for its read if needed."""
         if layer < self.first:
             return
+        self._start()
         with self.condition:
             if layer != self.expected:
                 self._restart_at(layer)
@@ -249,10 +250,18 @@ class LayerStreamer:
             os.close(fd)
 
     # ------------------------------------------------------------------------------------------ lifetime
+    def _start(self) -> None:
+        if not self.thread.is_alive() and not self.closed:
+            with self.condition:
+                if not self.thread.ident:
+                    self.thread.start()
+
     def wait_for_bandwidth(self) -> float:
-        """The read bandwidth (bytes/s) measured so far, after waiting for the first layer read if needed."""
+        """The read bandwidth (bytes/s) measured so far; before the first pass this waits, idle, for the reader to
+        fill the pool, so that the reads measured did not compete with anything else in this process."""
+        self._start()
         with self.condition:
-            while self.counters.layers_read == 0:
+            while self.counters.layers_read < len(self.slots) and self.counters.acquires == 0:
                 self._raise_if_failed()
                 self.condition.wait()
             return self.counters.read_bandwidth
@@ -265,7 +274,8 @@ class LayerStreamer:
         with self.condition:
             self.closed = True
             self.condition.notify_all()
-        self.thread.join()
+        if self.thread.ident:
+            self.thread.join()
 
     def store_files(self) -> list:
         """The streamed layers' files (to ask the kernel how much of them it caches)."""

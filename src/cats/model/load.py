@@ -79,6 +79,7 @@ def load_model(
     except (OSError, ValueError) as error:
         raise ModelNotFoundError(f"cannot read a model config from {model!r}: {_first_line(error)}") from None
     check_supported(config)
+    tokenizer = _tokenizer(folder, model)  # first: what it allocates then stays below the weights
     weights, plan = None, None
     if memory_budget is None:
         hf_model = AutoModelForCausalLM.from_pretrained(
@@ -89,7 +90,7 @@ def load_model(
 
         hf_model, plan, weights = load_under_budget(folder, config, torch_dtype, memory_budget, memory_needs,
                                                     offload_io, layer_store, attn_implementation)
-    layered = LayeredModel(hf_model, _tokenizer(folder, model), name=str(model))
+    layered = LayeredModel(hf_model, tokenizer, name=str(model))
     layered.attach_weights(weights, plan)
     return layered
 
