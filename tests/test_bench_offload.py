@@ -98,6 +98,34 @@ def test_hf_offload_needs_a_budget_and_matches_greedy(tmp_path):
 
 
 @pytest.mark.skipif(not STORIES.is_dir() or not SPEC_BENCH.is_file(), reason="../shared/data is not available")
+def test_worker_answers_under_the_budget(tmp_path):
+    """What one worker process does, run here: load under the budget, answer, measure."""
+    from cats.bench.answers import PARTIAL_SUFFIX, read_answers
+    from cats.bench.questions import read_questions
+    from cats.bench.worker import run_job
+
+    folder = eight_layer_model(tmp_path / "model", with_tokenizer=True)
+    question = read_questions(SPEC_BENCH)[0]
+    job = {"model": str(folder), "method": "ar", "dtype": "float32", "threads": 1, "settings": {},
+           "memory_budget": "150%", "prefetch": 2, "offload_io": "direct", "context_tokens": 112,
+           "questions": [{"question_id": question.question_id, "category": question.category,
+                          "turns": list(question.turns)}],
+           "question_file": str(SPEC_BENCH), "turns": "first", "prompt_format": "raw", "max_new_tokens": 6,
+           "warmup": 0, "model_id": "m", "answers": str(tmp_path / "ar.jsonl"), "result": str(tmp_path / "r.json")}
+    result = run_job(job)
+    assert "skipped" not in result, result
+    assert result["plan"]["streamed_layers"] == [result["plan"]["resident_layers"], 8]
+    assert result["plan"]["resident_layers"] < 8 and result["page_cache_mb"] == 0.0
+    assert result["peak_rss_mb"] > 0 and result["settings"]["streamed_layers"][1] == 8
+    answers = read_answers(tmp_path / f"ar.jsonl{PARTIAL_SUFFIX}")  # the parent renames it when the run is done
+    assert answers[0]["error"] is None and answers[0]["choices"][0]["new_tokens"] == [6]
+    assert answers[0]["choices"][0]["offload"][0]["acquires"] > 0
+    job["memory_budget"] = "1%"
+    assert "below the minimum" in run_job(job)["skipped"]
+
+
+@pytest.mark.slow  # five fresh processes (each imports torch and transformers)
+@pytest.mark.skipif(not STORIES.is_dir() or not SPEC_BENCH.is_file(), reason="../shared/data is not available")
 def test_budgeted_bench_runs_every_method_in_its_own_process(tmp_path):
     folder = eight_layer_model(tmp_path / "model", with_tokenizer=True)
     out = tmp_path / "bench"

@@ -182,3 +182,29 @@ def test_peak_rss_helpers():
     block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
     assert peak_rss_bytes() >= before + (60 << 20)
     del block
+
+
+STORIES = __import__("pathlib").Path(__file__).resolve().parents[1].parent / "shared" / "data" / "stories260k-gguf" / "hf"
+
+
+@pytest.mark.skipif(not STORIES.is_dir(), reason="../shared/data is not available")
+def test_cli_prints_the_plan_and_streaming_stats(capsys):
+    import json
+
+    from cats.cli import main
+
+    args = ["generate", "--model", str(STORIES), "--prompt", "Once upon a time", "--max-new-tokens", "12",
+            "--method", "early-exit", "--draft-layer", "1", "-k", "2", "--json", "--stats"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(args + ["--memory-budget", "95%", "--prefetch", "1", "--offload-io", "buffered"]) == 0
+    captured = capsys.readouterr()
+    budgeted = json.loads(captured.out.strip().splitlines()[-1])
+    assert budgeted["token_ids"] == plain["token_ids"]
+    assert "memory plan: budget" in captured.err and "streamed layers [1, 5) (4 of 5)" in captured.err
+    assert "offload: layers [1, 5) streamed (buffered)" in captured.err and "peak RSS" in captured.err
+    assert budgeted["stats"]["offload"]["acquires"] == 4 * budgeted["stats"]["target_forwards"]
+    assert main(args + ["--memory-budget", "1%"]) == 2
+    assert "below the minimum of" in capsys.readouterr().err
+    assert main(args + ["--prefetch", "1"]) == 2
+    assert "--prefetch applies with --memory-budget only" in capsys.readouterr().err

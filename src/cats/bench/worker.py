@@ -46,6 +46,8 @@ def run_job(job: dict) -> dict:
                             draft_layer=settings.draft_layer, num_draft_tokens=settings.num_draft_tokens,
                             total_tokens=settings.total_tokens, context_tokens=job["context_tokens"],
                             prefetch=job["prefetch"], offload_io=job["offload_io"])
+            if job.get("progress") and model.memory_plan is not None:
+                print(model.memory_plan.describe(), file=sys.stderr, flush=True)
         context = BenchContext(model, source, settings, memory_budget=job["memory_budget"], dtype=job["dtype"],
                                context_tokens=job["context_tokens"])
         method = make_method(name, context)
