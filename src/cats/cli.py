@@ -176,12 +176,14 @@ def run_generate(args) -> int:
         from cats.memory.offload import prepare
         from cats.model.load import load_tokenizer
 
-        prompt_ids = encode_with(load_tokenizer(source), source, prompt, chat=args.chat, system=args.system)
+        tokenizer = load_tokenizer(source)
+        prompt_ids = encode_with(tokenizer, source, prompt, chat=args.chat, system=args.system)
         context = args.max_context or len(prompt_ids) + args.max_new_tokens
         model = prepare(source, args.memory_budget, dtype=args.dtype, method=args.method, adapters=args.adapters,
                         draft_layer=args.draft_layer, num_draft_tokens=args.num_draft_tokens,
                         total_tokens=args.total_tokens, context_tokens=context,
-                        prefetch=2 if args.prefetch is None else args.prefetch, offload_io=args.offload_io or "direct")
+                        prefetch=2 if args.prefetch is None else args.prefetch, offload_io=args.offload_io or "direct",
+                        tokenizer=tokenizer)
         print(model.memory_plan.describe(), file=sys.stderr)
     drafter = make_drafter(args.method, model, num_draft_tokens=args.num_draft_tokens,
                            draft_layer=args.draft_layer, max_ngram=args.max_ngram, adapters=args.adapters,

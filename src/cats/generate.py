@@ -282,7 +282,8 @@ def generate(
         prompt_ids = encode_with(tokenizer, getattr(model, "name", str(model)), prompt, chat=chat)
         model = prepare(model, memory_budget, dtype=dtype, method=method, adapters=adapters, draft_layer=draft_layer,
                         num_draft_tokens=num_draft_tokens, total_tokens=total_tokens,
-                        context_tokens=len(prompt_ids) + max_new_tokens, prefetch=prefetch, offload_io=offload_io)
+                        context_tokens=len(prompt_ids) + max_new_tokens, prefetch=prefetch, offload_io=offload_io,
+                        tokenizer=tokenizer)
     elif isinstance(model, str):
         from cats.model import load_model
 

@@ -36,9 +36,8 @@ def run_job(job: dict) -> dict:
     config = BenchConfig(model=source, questions=Path(job["question_file"]), out=Path(job["answers"]).parent,
                          methods=[name], max_new_tokens=job["max_new_tokens"], dtype=job["dtype"],
                          turns=job["turns"], prompt_format=job["prompt_format"], warmup=job["warmup"])
-    tokenizer = load_tokenizer(source)
     try:
-        model = None
+        model, tokenizer = None, None
         if name in CATS_METHODS:
             from cats.memory.offload import prepare
 
@@ -46,8 +45,11 @@ def run_job(job: dict) -> dict:
                             draft_layer=settings.draft_layer, num_draft_tokens=settings.num_draft_tokens,
                             total_tokens=settings.total_tokens, context_tokens=job["context_tokens"],
                             prefetch=job["prefetch"], offload_io=job["offload_io"])
+            tokenizer = model.tokenizer  # one tokenizer in the process, as in the runtime baseline
             if job.get("progress") and model.memory_plan is not None:
                 print(model.memory_plan.describe(), file=sys.stderr, flush=True)
+        else:  # hf-offload loads its model without one; first, as the runtime baseline does
+            tokenizer = load_tokenizer(source)
         context = BenchContext(model, source, settings, memory_budget=job["memory_budget"], dtype=job["dtype"],
                                context_tokens=job["context_tokens"])
         method = make_method(name, context)

@@ -221,10 +221,10 @@ def check_resident(model, layers: int, what: str) -> None:
 def prepare(model, memory_budget: str | int, *, dtype="float32", method: str = "ar", adapters: str | None = None,
             draft_layer: int | None = None, num_draft_tokens: int | None = None, total_tokens: int | None = None,
             context_tokens: int | None = None, prefetch: int = DEFAULT_PREFETCH, offload_io: str = "direct",
-            layer_store: str | Path | None = None):
+            layer_store: str | Path | None = None, tokenizer=None):
     """``model`` (a path or Hub id to load, or a `LayeredModel` in memory) ready to run ``method`` under
     ``memory_budget``, with the method's needs (`memory_needs`) in the plan. A model already under the same budget
-    is returned as it is."""
+    is returned as it is. ``tokenizer``: the model's tokenizer if already loaded (not loaded twice)."""
     from cats.model import LayeredModel, load_model
     from cats.model.load import resolve_dtype
 
@@ -242,7 +242,7 @@ def prepare(model, memory_budget: str | int, *, dtype="float32", method: str = "
                          prefetch=prefetch)
     if not isinstance(model, LayeredModel):
         return load_model(model, dtype=torch_dtype, memory_budget=memory_budget, memory_needs=needs,
-                          offload_io=offload_io, layer_store=layer_store)
+                          offload_io=offload_io, layer_store=layer_store, tokenizer=tokenizer)
     if model.memory_plan is not None:
         if parse_budget(memory_budget, model.memory_plan.parts.weights) != model.memory_plan.budget:
             raise InvalidArgumentError("this model already runs under another memory budget; load it again to change it")

@@ -73,7 +73,7 @@ class StreamCounters:
 
 class _Slot:
     def __init__(self, size: int):
-        self.memory = mmap.mmap(-1, size)  # anonymous, page-aligned (O_DIRECT needs aligned buffers)
+        self.memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)  # anonymous, page-aligned (as O_DIRECT needs)
         self.buffer = torch.frombuffer(self.memory, dtype=torch.uint8)
         self.state, self.layer, self.generation = FREE, None, 0
         self.parameters: dict[tuple, list[torch.nn.Parameter]] = {}  # layout -> parameter views of this buffer

@@ -53,6 +53,7 @@ def load_model(
     memory_needs=None,
     offload_io: str = "direct",
     layer_store: str | os.PathLike | None = None,
+    tokenizer=None,
 ) -> LayeredModel:
     """Load ``model`` (local folder, ``.gguf`` file, folder holding one ``.gguf``, or Hub id) as a `LayeredModel`.
 
@@ -60,7 +61,8 @@ def load_model(
     plan keeps resident are read; the deep layers stream from a per-layer store made once under
     ``$CATS_CACHE/layers`` (or ``layer_store``). ``memory_needs`` (`cats.memory.MemoryNeeds`, e.g. from
     `cats.memory.memory_needs` for a method) says what else must fit; ``offload_io`` is ``buffered`` or
-    ``direct`` (see docs/memory.md). The plan is ``model.memory_plan``.
+    ``direct`` (see docs/memory.md). The plan is ``model.memory_plan``. ``tokenizer``: one already loaded for this
+    model (e.g. to size the plan from the prompt), used instead of loading it again.
 
     Raises:
         ModelNotFoundError: no such path, and not a reachable Hub id.
@@ -79,7 +81,8 @@ def load_model(
     except (OSError, ValueError) as error:
         raise ModelNotFoundError(f"cannot read a model config from {model!r}: {_first_line(error)}") from None
     check_supported(config)
-    tokenizer = _tokenizer(folder, model)  # first: what it allocates then stays below the weights
+    if tokenizer is None:
+        tokenizer = _tokenizer(folder, model)  # first: what it allocates then stays below the weights
     weights, plan = None, None
     if memory_budget is None:
         hf_model = AutoModelForCausalLM.from_pretrained(
