@@ -84,3 +84,22 @@ def hf_greedy(model: LayeredModel, prompt_ids: list[int], max_new_tokens: int) -
         out = model.hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                       do_sample=False, num_beams=1, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
+
+
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def stories_chat_dir(tmp_path_factory) -> Path:
+    """stories260K as a model folder with a (plain) chat template, which the original lacks: for chat and server
+    tests that need a real folder with a real tokenizer."""
+    import shutil
+
+    if not STORIES_HF.exists():
+        pytest.skip(f"{STORIES_HF} not present (../shared data missing)")
+    folder = tmp_path_factory.mktemp("stories-chat")
+    for item in STORIES_HF.iterdir():
+        shutil.copy(item, folder / item.name)
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return folder

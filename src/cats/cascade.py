@@ -7,8 +7,11 @@ For a drafted tree (or chain) over ``[x, n_0 .. n_{k-1}]`` whose states after la
 3. (a) a node whose token the shallow verifier gives probability below ``sv_threshold`` is pruned with its subtree;
    (b) where the shallow verifier's top token after x or after an expanded node is none of the drafted children,
    it is added as a correction branch (run once through ``[0, L_sv)``, and the draft adapter, to join the tree);
-4. the cache layers ``[0, L_sv)`` (and the adapters') keep only the surviving nodes, and the deep layers
-   ``[L_sv, N)`` run on the surviving tree only.
+4. the cache layers ``[0, L_sv)`` (and the adapters') keep only the surviving nodes;
+5. with ``sv_passes`` N > 1, up to N - 1 more rounds: from the end of the path the shallow verifier itself would
+   accept (its top token at every step), append its next top token and draft a chain from there with the draft head
+   (``[0, L_d)`` + draft adapter), run the chain through ``[L_d, L_sv)`` and check it as in 3;
+6. the deep layers ``[L_sv, N)`` run once, on the surviving tree only.
 
 No layer runs twice for the same node, and the full target still decides every token, so greedy output is
 unchanged (lossless); the cascade only decides which nodes the deep layers spend their time on.
@@ -22,7 +25,7 @@ no target decision and are counted as ``undecided``.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -46,7 +49,11 @@ class ShallowCounts:
     nodes_corrected: int = 0  # correction branches added by the shallow verifier
     nodes_verified: int = 0  # nodes the deep layers ran on
     steps: int = 0
-    shallow_s: float = 0.0
+    redraft_passes: int = 0  # extra shallow passes (--sv-passes above 1) that added a redrafted chain
+    nodes_redrafted: int = 0  # drafted nodes of those chains (part of nodes_drafted; their first node, the
+    # shallow verifier's own choice, is counted as a correction)
+    shallow_s: float = 0.0  # layers [L_d, L_sv), the shallow adapter, corrections and redrafts
+    redraft_s: float = 0.0  # the redraft part of shallow_s
     deep_s: float = 0.0
 
     @property
@@ -86,13 +93,17 @@ class CascadeScorer:
             None when proposals come without hidden states (prompt lookup).
         sv_threshold: prune a node whose token the shallow verifier gives a probability below this (0: never).
         corrections: add the shallow verifier's own top token as a branch where it disagrees with the draft.
+        sv_passes: shallow passes per deep pass (CATS' name). Each pass after the first follows the shallow
+            verifier's own top tokens from x to the end of that path, appends its top token there, drafts a chain
+            from it with the draft head (``drafter.num_tokens`` at most, confidence stop as the drafter's), runs the
+            chain through ``[L_d, L_sv)`` and checks it like the first. Needs an early-exit or tree drafter.
     """
 
     name = "cascade"
     cache_layers = 1
 
     def __init__(self, model: LayeredModel, shallow: Adapter, drafter: EarlyExitDrafter | None = None,
-                 sv_threshold: float = 0.05, corrections: bool = True):
+                 sv_threshold: float = 0.05, corrections: bool = True, sv_passes: int = 1):
         self.model, self.shallow, self.drafter = model, shallow, drafter
         self.layer = shallow.config.layer
         if drafter is not None and drafter.layer >= self.layer:
@@ -100,7 +111,12 @@ class CascadeScorer:
                                        f"({drafter.layer})")
         if not 0.0 <= sv_threshold < 1.0:
             raise InvalidArgumentError(f"--sv-threshold must lie in [0, 1), got {sv_threshold}")
-        self.sv_threshold, self.corrections = sv_threshold, corrections
+        if not isinstance(sv_passes, int) or sv_passes < 1:
+            raise InvalidArgumentError(f"--sv-passes must be a positive integer, got {sv_passes!r}")
+        if sv_passes > 1 and drafter is None:
+            raise InvalidArgumentError("--sv-passes above 1 redrafts with the draft adapter; it needs an early-exit or "
+                                       "tree drafter (methods early-exit, tree, cats), not prompt lookup")
+        self.sv_threshold, self.corrections, self.sv_passes = sv_threshold, corrections, sv_passes
         self.prefill_layers = (self.layer,)
         shallow.cache_layer = model.num_layers + (drafter.cache_layers if drafter is not None else 0)
         self.counts = ShallowCounts()
@@ -113,10 +129,13 @@ class CascadeScorer:
         return self.counts.to_dict()
 
     def describe(self) -> dict:
-        return {"name": self.name, "layer": self.layer, "sv_threshold": self.sv_threshold, "corrections": self.corrections}
+        return {"name": self.name, "layer": self.layer, "sv_threshold": self.sv_threshold,
+                "corrections": self.corrections, "sv_passes": self.sv_passes}
 
     # ------------------------------------------------------------------------------------------------ the cascade
-    def score(self, state: DecodeState, proposal: Proposal) -> tuple[Proposal, torch.Tensor]:
+    def score(self, state: DecodeState, proposal: Proposal, max_tokens: int | None = None) -> tuple[Proposal, torch.Tensor]:
+        """Check ``proposal`` with the shallow verifier (and redraft up to ``sv_passes - 1`` times, keeping every
+        path at most ``max_tokens`` deep), then run the deep layers once over the surviving tree."""
         model, cache, committed = self.model, state.cache, state.committed_length
         tick = time.perf_counter()
         count = proposal.num_tokens
@@ -130,97 +149,234 @@ class CascadeScorer:
             hidden, start = model.embed(torch.cat([torch.tensor([state.token_ids[-1]]), tokens])), 0
         hidden = model.forward_layers(hidden, start, self.layer, cache, position_ids=positions, attend=attend)
         # 2. the shallow verifier's distribution after x and after every node: [k+1, V]
-        shallow_probs = torch.softmax(self.shallow.full_logits(self.shallow(hidden, cache, positions, attend=attend)[0]).float(), -1)
-        shallow_choice = shallow_probs.argmax(-1)
-        # 3a. prune nodes the shallow verifier finds unlikely, with their subtrees
-        pruned = [False] * count
-        for node in range(count):
-            parent = int(parents[node])
-            unlikely = float(shallow_probs[parent + 1, tokens[node]]) < self.sv_threshold
-            pruned[node] = unlikely or (parent >= 0 and pruned[parent])
-        survivors = [node for node in range(count) if not pruned[node]]
-        # 3b. corrections: the shallow verifier's top token where no drafted child carries it
-        corrections: list[tuple[int, int]] = []  # (parent node or -1, token)
-        if self.corrections:
-            children: dict[int, set[int]] = {}
-            for node in range(count):
-                children.setdefault(int(parents[node]), set()).add(int(tokens[node]))
-            for parent in [-1] + survivors:
-                if parent in children and int(shallow_choice[parent + 1]) not in children[parent]:
-                    corrections.append((parent, int(shallow_choice[parent + 1])))
-        # 4. keep the survivors in the shallow layers, add the corrections, then the deep layers on the new tree
-        new_index = {-1: -1, **{node: i for i, node in enumerate(survivors)}}
-        shallow_layers = list(range(self.layer)) + [self.shallow.cache_layer]
-        if self.drafter is not None and self.drafter.adapter is not None:
-            shallow_layers.append(self.drafter.adapter.cache_layer)
-        if len(survivors) < count:
-            cache.keep(torch.cat([torch.arange(committed + 1), committed + 1 + torch.tensor(survivors, dtype=torch.long)]),
-                       layers=shallow_layers)
-        new_tokens = [int(tokens[node]) for node in survivors] + [token for _, token in corrections]
-        new_parents = torch.tensor([new_index[int(parents[node])] for node in survivors]
-                                   + [new_index[parent] for parent, _ in corrections], dtype=torch.long)
-        states = [hidden[:, [0] + [node + 1 for node in survivors]]]
+        shallow_probs = self._shallow_probs(hidden, cache, positions, attend)
+        # 3. prune and correct; the cache's shallow layers keep the survivors, corrections join them
+        tree = _ShallowTree(states=[hidden[0, 0]], choices=[int(shallow_probs[0].argmax())])
+        self._check(state, tree, tokens.tolist(), parents.tolist(), shallow_probs, hidden, parent_map={-1: -1})
+        # 4. more shallow passes: redraft from the shallow verifier's choice after the end of its own path
+        if self.sv_passes > 1 and self.drafter is not None:
+            room = self.drafter.num_tokens if max_tokens is None else max_tokens
+            for _ in range(self.sv_passes - 1):
+                redraft_tick = time.perf_counter()
+                grew = self._redraft(state, tree, room)
+                self.counts.redraft_s += time.perf_counter() - redraft_tick
+                if not grew:
+                    break
+        # 5. the deep layers, once, over the surviving tree
+        new_parents = torch.tensor(tree.parents, dtype=torch.long)
         new_positions, new_attend = verification_inputs(new_parents, committed)
-        if corrections:
-            rows = slice(len(survivors) + 1, None)
-            states.append(self._run_corrections(state, new_tokens[len(survivors):], new_positions[rows], new_attend[rows]))
-        shallow_hidden = torch.cat(states, dim=1)
+        shallow_hidden = torch.stack(tree.states)[None]
         tock = time.perf_counter()
         deep = model.forward_layers(shallow_hidden, self.layer, model.num_layers, cache, position_ids=new_positions,
                                     attend=new_attend)
         target_logits = model.head(deep[0])
-        self._count(parents, tokens, pruned, survivors, target_logits, len(corrections), tick, tock)
-        verified = Proposal(tokens=torch.tensor(new_tokens, dtype=torch.long), parents=new_parents,
+        self._count(tree, target_logits, tick, tock)
+        verified = Proposal(tokens=torch.tensor(tree.tokens, dtype=torch.long), parents=new_parents,
                             hidden=shallow_hidden, hidden_layer=self.layer)
         return verified, target_logits
 
-    def _run_corrections(self, state: DecodeState, tokens: list[int], positions: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
-        """Correction nodes through ``[0, L_sv)`` (and the draft and shallow adapters, to keep their caches in step);
-        their states after L_sv, ``[1, c, H]``."""
-        model, cache = self.model, state.cache
-        hidden = model.embed(torch.tensor(tokens))
+    def _shallow_probs(self, hidden: torch.Tensor, cache, positions, attend) -> torch.Tensor:
+        """The shallow adapter on states after L_sv (appending its K/V): its next-token probabilities ``[T, V]``."""
+        return torch.softmax(self.shallow.full_logits(self.shallow(hidden, cache, positions, attend=attend)[0]).float(), -1)
+
+    def _shallow_layers(self) -> list[int]:
+        """Cache layers holding the tree's nodes before the deep pass: ``[0, L_sv)`` and the adapters'."""
+        layers = list(range(self.layer)) + [self.shallow.cache_layer]
+        if self.drafter is not None and self.drafter.adapter is not None:
+            layers.append(self.drafter.adapter.cache_layer)
+        return layers
+
+    def _check(self, state: DecodeState, tree: "_ShallowTree", tokens: list[int], parents: list[int],
+               shallow_probs: torch.Tensor, hidden: torch.Tensor, parent_map: dict[int, int],
+               first_is_correction: bool = False) -> None:
+        """Add checked nodes to ``tree``. ``tokens``/``parents`` are new nodes (parents: earlier new nodes by
+        index, or tree nodes via ``parent_map``); their shallow-layer slots were appended to the cache after the
+        tree's, ``hidden`` holds their states after L_sv (row 0: the node the batch hangs from, already in the tree,
+        when ``parent_map`` maps -1 to it) and ``shallow_probs`` the verifier's distribution after each row.
+
+        (a) a node whose token the verifier gives a probability below ``sv_threshold`` is pruned with its subtree;
+        (b) where the verifier's top token after a kept node (or the batch root) is none of its children, it is
+        added as a correction branch."""
+        committed, count, cache = state.committed_length, len(tokens), state.cache
+        base = len(tree.tokens)  # tree nodes before this batch (their slots precede the batch's)
+        pruned = []
+        for node in range(count):
+            parent = parents[node]
+            unlikely = float(shallow_probs[parent + 1, tokens[node]]) < self.sv_threshold
+            if first_is_correction and node == 0:
+                unlikely = False  # the verifier's own choice
+            pruned.append(unlikely or (parent >= 0 and pruned[parent]))
+        survivors = [node for node in range(count) if not pruned[node]]
+        if len(survivors) < count:
+            keep = torch.arange(committed + 1 + base)
+            batch = committed + 1 + base + torch.tensor(survivors, dtype=torch.long)
+            state.cache.keep(torch.cat([keep, batch]), layers=self._shallow_layers())
+        index = dict(parent_map)  # batch index -> tree index
+        for node in survivors:
+            index[node] = len(tree.tokens)
+            tree.add(tokens[node], index[parents[node]], hidden[0, node + 1], int(shallow_probs[node + 1].argmax()))
+        for node in range(count):
+            if first_is_correction and node == 0:
+                continue
+            tree.record(tokens[node], index.get(parents[node]), pruned[node])
+        if not self.corrections:
+            return
+        children: dict[int, set[int]] = {}
+        for node in range(count):
+            children.setdefault(parents[node], set()).add(tokens[node])
+        corrections = [(index[parent], tree.choices[index[parent] + 1]) for parent in [-1] + survivors
+                       if parent in children and tree.choices[index[parent] + 1] not in children[parent]]
+        if corrections:
+            self._add_corrections(state, tree, corrections)
+
+    def _add_corrections(self, state: DecodeState, tree: "_ShallowTree", corrections: list[tuple[int, int]]) -> None:
+        """Correction nodes ``(tree parent, token)`` through ``[0, L_sv)`` and both adapters (keeping their caches in
+        step); they join the tree with their states after L_sv and the verifier's choice after them."""
+        model, cache, committed = self.model, state.cache, state.committed_length
+        first = len(tree.tokens)
+        for parent, token in corrections:
+            tree.add(token, parent, None, None)
+        positions, attend = verification_inputs(torch.tensor(tree.parents, dtype=torch.long), committed)
+        rows = slice(first + 1, None)
+        positions, attend = positions[rows], attend[rows]
+        hidden = model.embed(torch.tensor([token for _, token in corrections]))
         split = self.drafter.layer if self.drafter is not None else 0
         hidden = model.forward_layers(hidden, 0, split, cache, position_ids=positions, attend=attend)
         if self.drafter is not None and self.drafter.adapter is not None:
             self.drafter.adapter(hidden, cache, positions, attend=attend)
         hidden = model.forward_layers(hidden, split, self.layer, cache, position_ids=positions, attend=attend)
-        self.shallow(hidden, cache, positions, attend=attend)
-        return hidden
+        choices = self._shallow_probs(hidden, cache, positions, attend).argmax(-1).tolist()
+        for row in range(len(corrections)):
+            tree.states[first + 1 + row], tree.choices[first + 1 + row] = hidden[0, row], choices[row]
+        self.counts.nodes_corrected += len(corrections)
 
-    def _count(self, parents, tokens, pruned, survivors, target_logits, corrected, tick, tock) -> None:
-        counts, choice = self.counts, target_logits.argmax(-1)
-        row_of = {-1: 0, **{node: i + 1 for i, node in enumerate(survivors)}}  # target rows of verified nodes
-        for node in range(len(pruned)):
-            parent = int(parents[node])
-            if parent not in row_of:
+    def _redraft(self, state: DecodeState, tree: "_ShallowTree", max_depth: int) -> bool:
+        """One more shallow pass: follow the verifier's own choices from x to the end of that path, add its choice
+        after the end as a node, draft a chain from it with the draft head, run the chain through ``[L_d, L_sv)``
+        and check it. Returns False when nothing could be added (the path is already ``max_depth`` deep)."""
+        model, cache, committed, drafter = self.model, state.cache, state.committed_length, self.drafter
+        end = tree.shallow_path_end()
+        room = min(max_depth - tree.depth(end), drafter.num_tokens)
+        if room <= 0:
+            return False
+        base = len(tree.tokens)
+        tokens, parents, states = [tree.choices[end + 1]], [-1], []
+        # draft one token at a time through [0, L_d) and the draft head, each seeing x, its tree ancestors and itself
+        scratch = _ShallowTree(tokens=list(tree.tokens), parents=list(tree.parents))
+        scratch.parents.append(end)
+        scratch.tokens.append(tokens[0])
+        while True:
+            positions, attend = verification_inputs(torch.tensor(scratch.parents, dtype=torch.long), committed)
+            row = len(scratch.parents)
+            position, visible = positions[row : row + 1], attend[row : row + 1, : committed + 1 + row]
+            hidden = model.forward_layers(model.embed(torch.tensor(tokens[-1:])), 0, drafter.layer, cache,
+                                          position_ids=position, attend=visible)
+            states.append(hidden)
+            if len(tokens) == room:  # the last node only needed its state (and adapter K/V)
+                if drafter.adapter is not None:
+                    drafter.adapter(hidden, cache, position, attend=visible)
+                break
+            draft_logits = drafter.node_logits(hidden, cache, position, visible)[-1]
+            if drafter.threshold > 0 and float(torch.softmax(draft_logits.float(), -1).max()) < drafter.threshold:
+                break
+            token = int(draft_logits.argmax())
+            tokens.append(token)
+            parents.append(len(tokens) - 2)
+            scratch.tokens.append(token)
+            scratch.parents.append(len(scratch.parents) - 1)
+        # the batch through [L_d, L_sv) at once, then the shallow verifier
+        positions, attend = verification_inputs(torch.tensor(scratch.parents[: base + len(tokens)], dtype=torch.long),
+                                                 committed)
+        rows = slice(base + 1, base + 1 + len(tokens))
+        positions, attend = positions[rows], attend[rows]
+        hidden = model.forward_layers(torch.cat(states, dim=1), drafter.layer, self.layer, cache,
+                                      position_ids=positions, attend=attend)
+        probs = self._shallow_probs(hidden, cache, positions, attend)
+        # row 0 stands for `end` (the batch's root): its distribution is the one already known
+        end_row = torch.zeros(1, probs.shape[-1], dtype=probs.dtype)
+        end_row[0, tree.choices[end + 1]] = 1.0
+        hidden = torch.cat([hidden[:, :1], hidden], dim=1)  # row 0 unused: `end` is in the tree already
+        self._check(state, tree, tokens, parents, torch.cat([end_row, probs]), hidden, parent_map={-1: end},
+                    first_is_correction=True)
+        self.counts.nodes_corrected += 1
+        self.counts.nodes_redrafted += len(tokens) - 1
+        self.counts.redraft_passes += 1
+        return True
+
+    def _count(self, tree: "_ShallowTree", target_logits: torch.Tensor, tick: float, tock: float) -> None:
+        counts, choice = self.counts, target_logits.argmax(-1).tolist()
+        for token, parent, pruned in tree.decisions:
+            if parent is None:  # its parent was pruned: the target never judged it
                 counts.undecided += 1
                 continue
-            right = int(choice[row_of[parent]]) == int(tokens[node])
-            if pruned[node]:
+            right = choice[parent + 1] == token
+            if pruned:
                 counts.false_negative += right
                 counts.true_negative += not right
             else:
                 counts.true_positive += right
                 counts.false_positive += not right
-        counts.nodes_drafted += len(pruned)
-        counts.nodes_pruned += sum(pruned)
-        counts.nodes_corrected += corrected
-        counts.nodes_verified += len(survivors) + corrected
+        counts.nodes_drafted += len(tree.decisions)
+        counts.nodes_pruned += sum(pruned for _, _, pruned in tree.decisions)
+        counts.nodes_verified += len(tree.tokens)
         counts.steps += 1
         counts.shallow_s += tock - tick
         counts.deep_s += time.perf_counter() - tock
 
 
-def make_scorer(method: str, model: LayeredModel, drafter, adapters: str | None = None, sv_threshold: float = 0.05):
+@dataclass
+class _ShallowTree:
+    """The tree as the shallow layers leave it: node i is cache slot ``committed + 1 + i``; index -1 is x.
+
+    ``states[i + 1]`` is node i's state after L_sv (``states[0]``: x's), ``choices[i + 1]`` the shallow verifier's
+    top token after it. ``decisions`` lists every drafted node the verifier judged: (token, tree index of its parent
+    or None when the parent was pruned, pruned)."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    states: list = field(default_factory=list)
+    choices: list = field(default_factory=list)
+    decisions: list = field(default_factory=list)
+
+    def add(self, token: int, parent: int, state, choice) -> None:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.states.append(state)
+        self.choices.append(choice)
+
+    def record(self, token: int, parent: int | None, pruned: bool) -> None:
+        self.decisions.append((token, parent, pruned))
+
+    def depth(self, node: int) -> int:
+        depth = 0
+        while node >= 0:
+            node, depth = self.parents[node], depth + 1
+        return depth
+
+    def shallow_path_end(self) -> int:
+        """The last node of the path that follows the shallow verifier's top token from x (-1: x itself)."""
+        children: dict[int, dict[int, int]] = {}
+        for node, (token, parent) in enumerate(zip(self.tokens, self.parents)):
+            children.setdefault(parent, {})[token] = node
+        node = -1
+        while self.choices[node + 1] in children.get(node, {}):
+            node = children[node][self.choices[node + 1]]
+        return node
+
+
+def make_scorer(method: str, model: LayeredModel, drafter, adapters: str | None = None, sv_threshold: float = 0.05,
+                sv_passes: int = 1):
     """The scorer a method verifies with: the cascade for ``cats`` (its shallow adapter from ``adapters``), else the
     plain target."""
     from cats.draft.adapter import find_adapter, load_adapter
     from cats.verify import TargetScorer
 
     if method != "cats":
+        if sv_passes != 1:
+            raise InvalidArgumentError(f"--sv-passes is a setting of the cascade (method cats), not of {method!r}")
         return TargetScorer()
     shallow = load_adapter(find_adapter(adapters, "shallow"), model, role="shallow")
     from cats.memory.offload import check_resident
 
     check_resident(model, shallow.config.layer, f"the shallow verifier at layer {shallow.config.layer}")
-    return CascadeScorer(model, shallow, drafter=drafter, sv_threshold=sv_threshold)
+    return CascadeScorer(model, shallow, drafter=drafter, sv_threshold=sv_threshold, sv_passes=sv_passes)

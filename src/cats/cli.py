@@ -1,4 +1,4 @@
-"""The ``cats`` command line: ``cats generate`` (and further subcommands as they land).
+"""The ``cats`` command line: ``cats generate``, ``bench``, ``train``, ``serve`` and ``chat``.
 
 User errors print one line, ``cats: error: ...``, and exit with status 2; no traceback."""
 
@@ -49,6 +49,11 @@ def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default 16, or chosen from the budget)")
     parser.add_argument("--depth", type=integer, default=None, help="tree/cats: maximum depth (default 5, or chosen "
                         "from the budget)")
+    parser.add_argument("--sv-threshold", type=float, default=0.05,
+                        help="cats: the shallow verifier prunes nodes it gives a probability below this")
+    parser.add_argument("--sv-passes", type=integer, default=1,
+                        help="cats: shallow passes per deep pass; each extra one redrafts a chain from the shallow "
+                        "verifier's own choice at the end of the path it accepts (default 1)")
 
 
 def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,8 +66,68 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload-io", choices=("direct", "buffered"), default=None,
                         help="with --memory-budget: O_DIRECT reads (default) or buffered reads dropped from the page "
                         "cache after each layer")
-    parser.add_argument("--sv-threshold", type=float, default=0.05,
-                        help="cats: the shallow verifier prunes nodes it gives a probability below this")
+
+
+def sparsities(text: str) -> tuple[float, ...]:
+    """``"0.4,0.6"`` -> ``(0.4, 0.6)``; ranges are checked by the API."""
+    try:
+        return tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def add_sparsity_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sparsity", type=sparsities, default=None,
+                        help="layer-skip: fraction of attention/MLP sublayers skipped (default 0.4); dytc: "
+                        "comma-separated sparsities of its layer-skip drafters (default 0.4,0.6)")
+
+
+def add_method_arguments(parser: argparse.ArgumentParser, default: str = "ar") -> None:
+    """The decoding method and its drafter's settings (see `build_generator`)."""
+    parser.add_argument("--method", default=default, help=f"ar (plain decoding), pld (prompt lookup), early-exit "
+                        "(chain), tree (dynamic draft tree from the early exit), cats (draft adapter + tree + "
+                        "shallow-verifier cascade; needs --adapters), cats-no-shallow, layer-skip (calibrated "
+                        "sublayers skipped), dytc (scheduler over prompt lookup, layer skipping and, with --adapters, "
+                        f"the draft adapter) (default: {default})")
+    parser.add_argument("--no-shallow", action="store_true", help="with --method cats: no shallow-verifier cascade")
+    parser.add_argument("--draft-layer", type=integer, default=None, help="early-exit layer L_d (default: depth/8)")
+    parser.add_argument("--num-draft-tokens", "-k", type=integer, default=None,
+                        help="tokens drafted per step (default: pld 10, early-exit 4)")
+    parser.add_argument("--max-ngram", type=integer, default=3, help="longest n-gram prompt lookup matches")
+    parser.add_argument("--adapters", default=None, help="trained adapters folder (e.g. "
+                        "adapters/smollm2-135m-instruct); early-exit then drafts through its draft adapter")
+    parser.add_argument("--threshold", type=float, default=0.0,
+                        help="confidence stop: early-exit and layer-skip stop drafting below this draft probability, "
+                        "tree stops expanding below this cumulative path probability")
+    add_tree_arguments(parser)
+    add_sparsity_argument(parser)
+
+
+def method_from_args(args) -> str:
+    """The method name from ``--method`` and ``--no-shallow``; fails on an unknown one before the model loads."""
+    from cats.draft import check_method
+
+    check_method(args.method)
+    if args.no_shallow:
+        if args.method != "cats":
+            raise InvalidArgumentError("--no-shallow applies to --method cats only")
+        return "cats-no-shallow"
+    return args.method
+
+
+def build_generator(args, model):
+    """A `Generator` for ``model`` with the drafter and scorer that the method arguments ask for."""
+    from cats.cascade import make_scorer
+    from cats.draft import make_drafter
+    from cats.generate import Generator
+
+    method = method_from_args(args)
+    drafter = make_drafter(method, model, num_draft_tokens=args.num_draft_tokens, draft_layer=args.draft_layer,
+                           max_ngram=args.max_ngram, adapters=args.adapters, threshold=args.threshold,
+                           tree_topk=args.tree_topk, total_tokens=args.total_tokens, depth=args.depth,
+                           sparsity=args.sparsity)
+    scorer = make_scorer(method, model, drafter, args.adapters, args.sv_threshold, args.sv_passes)
+    return Generator(model, drafter, method=method, scorer=scorer)
 
 
 def check_memory_flags(args) -> None:
@@ -81,20 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True, help="prompt text ('-' reads standard input)")
     gen.add_argument("--chat", action="store_true", help="apply the chat template (prompt = one user message)")
     gen.add_argument("--system", default=None, help="system message, with --chat")
-    gen.add_argument("--method", default="ar", help="ar (plain decoding), pld (prompt lookup), early-exit (chain), "
-                     "tree (dynamic draft tree from the early exit), cats (draft adapter + tree + shallow-verifier "
-                     "cascade; needs --adapters), cats-no-shallow")
-    gen.add_argument("--no-shallow", action="store_true", help="with --method cats: no shallow-verifier cascade")
-    gen.add_argument("--draft-layer", type=integer, default=None, help="early-exit layer L_d (default: depth/8)")
-    gen.add_argument("--num-draft-tokens", "-k", type=integer, default=None,
-                     help="tokens drafted per step (default: pld 10, early-exit 4)")
-    gen.add_argument("--max-ngram", type=integer, default=3, help="longest n-gram prompt lookup matches")
-    gen.add_argument("--adapters", default=None, help="trained adapters folder (e.g. adapters/smollm2-135m-instruct); "
-                     "early-exit then drafts through its draft adapter")
-    gen.add_argument("--threshold", type=float, default=0.0,
-                     help="confidence stop: early-exit stops drafting below this draft probability, tree stops "
-                     "expanding below this cumulative path probability")
-    add_tree_arguments(gen)
+    add_method_arguments(gen)
     add_memory_arguments(gen)
     gen.add_argument("--max-context", type=integer, default=None, help="with --memory-budget: tokens of KV cache to "
                      "plan for (default: the prompt plus --max-new-tokens)")
@@ -108,10 +160,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(run=run_generate)
 
     from cats.bench.cli import add_bench_parser
+    from cats.chat import add_chat_parser
+    from cats.draft.calibrate import add_calibrate_parser
+    from cats.serve.cli import add_serve_parser
     from cats.train.cli import add_train_parser
 
+    add_calibrate_parser(commands)
     add_bench_parser(commands)
     add_train_parser(commands)
+    add_serve_parser(commands)
+    add_chat_parser(commands)
     return parser
 
 
@@ -154,18 +212,12 @@ class TextStreamer:
 
 def run_generate(args) -> int:
     import cats
-    from cats.cascade import make_scorer
-    from cats.draft import check_method, make_drafter
-    from cats.generate import GenerationConfig, Generator, encode_prompt
+    from cats.generate import GenerationConfig, encode_prompt
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     config.validate()  # fail on bad arguments before the model loads
-    check_method(args.method)
-    if args.no_shallow:
-        if args.method != "cats":
-            raise InvalidArgumentError("--no-shallow applies to --method cats only")
-        args.method = "cats-no-shallow"
+    method = method_from_args(args)
     source = args.model or default_model()
     if args.memory_budget is None:
         check_memory_flags(args)
@@ -179,19 +231,14 @@ def run_generate(args) -> int:
         tokenizer = load_tokenizer(source)
         prompt_ids = encode_with(tokenizer, source, prompt, chat=args.chat, system=args.system)
         context = args.max_context or len(prompt_ids) + args.max_new_tokens
-        model = prepare(source, args.memory_budget, dtype=args.dtype, method=args.method, adapters=args.adapters,
+        model = prepare(source, args.memory_budget, dtype=args.dtype, method=method, adapters=args.adapters,
                         draft_layer=args.draft_layer, num_draft_tokens=args.num_draft_tokens,
                         total_tokens=args.total_tokens, context_tokens=context,
                         prefetch=2 if args.prefetch is None else args.prefetch, offload_io=args.offload_io or "direct",
                         tokenizer=tokenizer)
         print(model.memory_plan.describe(), file=sys.stderr)
-    drafter = make_drafter(args.method, model, num_draft_tokens=args.num_draft_tokens,
-                           draft_layer=args.draft_layer, max_ngram=args.max_ngram, adapters=args.adapters,
-                           threshold=args.threshold, tree_topk=args.tree_topk, total_tokens=args.total_tokens,
-                           depth=args.depth)
+    generator = build_generator(args, model)
     streamer = TextStreamer(model.tokenizer) if model.tokenizer is not None else None
-    scorer = make_scorer(args.method, model, drafter, args.adapters, args.sv_threshold)
-    generator = Generator(model, drafter, method=args.method, scorer=scorer)
     result = generator.generate(prompt_ids, config, on_tokens=streamer)
     if streamer is not None:
         streamer.finish()

@@ -105,7 +105,7 @@ class Generator:
             proposal = self.drafter.propose(state, budget) if self.drafter and budget > 0 else Proposal.empty()
             tock = time.perf_counter()
             # 3. verify [x, d_1..d_k] with the full target in one forward (the cascade may prune and extend it first)
-            verified, target_logits = self.scorer.score(state, proposal)
+            verified, target_logits = self.scorer.score(state, proposal, max_tokens=budget)
             # 4. accept
             verdict = self.acceptance.accept(verified, target_logits)
             # 5. roll back: keep x and the accepted drafts in every layer; the new token is pending
@@ -128,6 +128,7 @@ class Generator:
             yield chunk
         stats.stop_reason = reason
         stats.shallow = self.scorer.counters()
+        stats.scheduler = self.drafter.counters() if self.drafter is not None else None
         stats.wall_s = time.perf_counter() - start
         if streamed_before is not None:
             stats.offload = offload_counters(model, streamed_before)
@@ -231,11 +232,25 @@ def encode_with(tokenizer, name: str, prompt: str | Sequence[int], chat: bool = 
     if tokenizer is None:
         raise InvalidArgumentError(f"model {name!r} has no tokenizer: pass token ids instead of text")
     if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise InvalidArgumentError(f"model {name!r} has no chat template; drop --chat")
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        return [int(t) for t in tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)]
+        return chat_ids(tokenizer, name, messages)
     return [int(t) for t in tokenizer(prompt)["input_ids"]]
+
+
+def encode_chat(model: LayeredModel, messages: Sequence[dict]) -> list[int]:
+    """Token ids of a conversation (``[{"role": ..., "content": ...}, ...]``) through the model's chat template,
+    ending with the prompt for the assistant's next message."""
+    return chat_ids(model.tokenizer, model.name, messages)
+
+
+def chat_ids(tokenizer, name: str, messages: Sequence[dict]) -> list[int]:
+    """`encode_chat` with a tokenizer alone."""
+    if tokenizer is None:
+        raise InvalidArgumentError(f"model {name!r} has no tokenizer: pass token ids instead of text")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidArgumentError(f"model {name!r} has no chat template; drop --chat")
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False)
+    return [int(t) for t in ids]
 
 
 def generate(
@@ -253,7 +268,9 @@ def generate(
     tree_topk: int | None = None,
     total_tokens: int | None = None,
     depth: int | None = None,
+    sparsity: float | Sequence[float] | None = None,
     sv_threshold: float = 0.05,
+    sv_passes: int = 1,
     chat: bool = False,
     stop: Sequence[str] = (),
     eos_token_ids: set[int] | None = None,
@@ -265,7 +282,7 @@ def generate(
     prefetch: int = 2,
 ) -> GenerationResult:
     """Generate from ``prompt`` with ``method`` (``ar``, ``pld``, ``early-exit``, ``tree``, ``cats``,
-    ``cats-no-shallow``) or a ready ``drafter``.
+    ``cats-no-shallow``, ``layer-skip``, ``dytc``) or a ready ``drafter``.
 
     ``model`` is a `LayeredModel` or anything `cats.load` accepts (then loaded with ``dtype``).
 
@@ -291,10 +308,10 @@ def generate(
     if drafter is None:
         drafter = make_drafter(method, model, num_draft_tokens=num_draft_tokens, draft_layer=draft_layer,
                                max_ngram=max_ngram, adapters=adapters, threshold=threshold, tree_topk=tree_topk,
-                               total_tokens=total_tokens, depth=depth)
+                               total_tokens=total_tokens, depth=depth, sparsity=sparsity)
     else:
         method = drafter.name
-    scorer = make_scorer(method, model, drafter, adapters, sv_threshold)
+    scorer = make_scorer(method, model, drafter, adapters, sv_threshold, sv_passes)
     config = GenerationConfig(max_new_tokens=max_new_tokens, stop=stop, eos_token_ids=eos_token_ids, ignore_eos=ignore_eos)
     prompt_ids = encode_prompt(model, prompt, chat=chat)
     return Generator(model, drafter, method=method, scorer=scorer).generate(prompt_ids, config, on_tokens=on_tokens)

@@ -21,6 +21,7 @@ class GenerationStats:
     wall_s: float = 0.0
     stop_reason: str = ""
     shallow: dict | None = None  # the cascade's shallow-verifier counters (see cats.cascade), when it ran
+    scheduler: dict | None = None  # the DyTC scheduler's decisions and estimates (see cats.draft.dytc), when it ran
     offload: dict | None = None  # layer streaming under a memory budget (cats.memory.stream counters), when it ran
     peak_rss_mb: float | None = None  # the process's peak resident memory so far (VmHWM), at the end
 
@@ -60,10 +61,19 @@ class GenerationStats:
             f"({self.accepted_draft_tokens}/{self.drafted_tokens}), stop: {self.stop_reason}"
             + (f"; shallow verifier: kept {self.shallow['keep_rate']:.1%} of drafted nodes, precision "
                f"{self.shallow['precision']:.2f}, recall {self.shallow['recall']:.2f}, "
-               f"{self.shallow['nodes_corrected']} corrections" if self.shallow else "")
+               f"{self.shallow['nodes_corrected']} corrections"
+               + (f", {self.shallow['redraft_passes']} redraft passes" if self.shallow.get("redraft_passes") else "")
+               if self.shallow else "")
+            + (f"; scheduler: {_scheduler_text(self.scheduler)}" if self.scheduler else "")
             + (f"; offload: layers [{self.offload['streamed_layers'][0]}, {self.offload['streamed_layers'][1]}) "
                f"streamed ({self.offload['io']}), read {self.offload['bytes_read'] / 2**20:.0f} MiB in "
                f"{self.offload['read_s']:.2f} s, stalled {self.offload['stall_s']:.2f} s, "
                f"{self.offload['hidden_fraction']:.0%} of reads hidden behind compute" if self.offload else "")
             + (f"; peak RSS {self.peak_rss_mb:.0f} MiB" if self.peak_rss_mb is not None else "")
         )
+
+
+def _scheduler_text(scheduler: dict) -> str:
+    from cats.draft.dytc import summary_text
+
+    return summary_text(scheduler)

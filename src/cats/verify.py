@@ -41,8 +41,9 @@ class TargetScorer:
     def prefill(self, state: DecodeState, hidden: dict[int, torch.Tensor]) -> None:
         """Called once after the prompt ran, with its states after each of ``prefill_layers``."""
 
-    def score(self, state: DecodeState, proposal: Proposal) -> tuple[Proposal, torch.Tensor]:
-        """The proposal as verified, and the target's logits ``[k+1, V]`` for ``[x, its tokens]``."""
+    def score(self, state: DecodeState, proposal: Proposal, max_tokens: int | None = None) -> tuple[Proposal, torch.Tensor]:
+        """The proposal as verified, and the target's logits ``[k+1, V]`` for ``[x, its tokens]``. A scorer that
+        adds nodes (the cascade) keeps every path at most ``max_tokens`` deep; this one adds none."""
         return proposal, score_proposal(state, proposal)
 
     def counters(self) -> dict | None:

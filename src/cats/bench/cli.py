@@ -15,7 +15,7 @@ def add_bench_parser(subparsers) -> None:
     from cats.bench.methods import known_methods
     from cats.bench.prompts import PROMPT_FORMATS
     from cats.bench.runner import TURN_MODES
-    from cats.cli import add_memory_arguments, add_model_arguments, add_tree_arguments, integer
+    from cats.cli import add_memory_arguments, add_model_arguments, add_sparsity_argument, add_tree_arguments, integer
 
     bench = subparsers.add_parser(
         "bench", help="benchmark methods and baselines on Spec-Bench / MT-Bench questions",
@@ -48,8 +48,9 @@ def add_bench_parser(subparsers) -> None:
     bench.add_argument("--adapters", default=None,
                        help="trained adapters folder (e.g. adapters/smollm2-135m-instruct): early-exit drafts through "
                             "its draft adapter")
-    bench.add_argument("--threshold", type=float, default=0.0, help="early-exit confidence stop (CATS early-exit)")
+    bench.add_argument("--threshold", type=float, default=0.0, help="confidence stop of CATS early-exit, tree and layer-skip")
     add_tree_arguments(bench)
+    add_sparsity_argument(bench)
     add_memory_arguments(bench)
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(run=run_bench_command)
@@ -82,7 +83,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         settings=MethodSettings(num_draft_tokens=args.num_draft_tokens, draft_layer=args.draft_layer,
                                 max_ngram=args.max_ngram, adapters=args.adapters, threshold=args.threshold,
                                 tree_topk=args.tree_topk, total_tokens=args.total_tokens, depth=args.depth,
-                                sv_threshold=args.sv_threshold),
+                                sv_threshold=args.sv_threshold, sv_passes=args.sv_passes,
+                                sparsity=args.sparsity),
         progress=not args.no_progress, memory_budget=args.memory_budget,
         prefetch=2 if args.prefetch is None else args.prefetch, offload_io=args.offload_io or "direct",
     )

@@ -79,6 +79,7 @@ class TurnResult:
     accept_lengths: list[int]  # tokens committed per target forward after the first
     target_forwards: int
     shallow: dict | None = None  # the cascade's shallow-verifier counters for this turn (method cats)
+    scheduler: dict | None = None  # the DyTC scheduler's decisions and estimates for this turn (method dytc)
     offload: dict | None = None  # layer streaming counters for this turn (under --memory-budget)
 
 
@@ -95,6 +96,8 @@ class MethodSettings:
     total_tokens: int | None = None
     depth: int | None = None
     sv_threshold: float = 0.05  # the cascade's pruning threshold (method cats)
+    sv_passes: int = 1  # the cascade's shallow passes per deep pass (method cats)
+    sparsity: tuple[float, ...] | None = None  # layer-skip / dytc sparsities (None: their defaults)
     threads: int = 1
 
 
@@ -131,17 +134,20 @@ class CatsMethod(BenchMethod):
         self.name = name
         self.drafter = make_drafter(name, context.model, num_draft_tokens=settings.num_draft_tokens,
                                     draft_layer=settings.draft_layer, max_ngram=settings.max_ngram,
-                                    **({"adapters": settings.adapters, "threshold": settings.threshold}
-                                       if name not in ("ar", "pld") else {}),
+                                    **({"adapters": settings.adapters} if name not in ("ar", "pld", "layer-skip")
+                                       else {}),
+                                    **({"threshold": settings.threshold} if name not in ("ar", "pld", "dytc") else {}),
+                                    **({"sparsity": settings.sparsity} if name in ("layer-skip", "dytc") else {}),
                                     tree_topk=settings.tree_topk, total_tokens=settings.total_tokens,
                                     depth=settings.depth)
-        self.scorer = make_scorer(name, context.model, self.drafter, settings.adapters, settings.sv_threshold)
+        self.scorer = make_scorer(name, context.model, self.drafter, settings.adapters, settings.sv_threshold,
+                                  settings.sv_passes if name == "cats" else 1)
         self.generator = Generator(context.model, self.drafter, method=name, scorer=self.scorer)
 
     def generate(self, prompt_ids, max_new_tokens):
         result = self.generator.generate(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens))
         return TurnResult(result.token_ids, list(result.stats.accept_lengths), result.stats.target_forwards,
-                          result.stats.shallow, result.stats.offload)
+                          result.stats.shallow, result.stats.scheduler, result.stats.offload)
 
     def describe(self):
         info = self.drafter.describe() if self.drafter is not None else {"name": self.name}

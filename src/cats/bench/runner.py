@@ -113,6 +113,8 @@ def answer_question(method: BenchMethod, question: Question, tokenizer, config: 
             choice["decoding_steps"].append(result.target_forwards)
             if result.shallow is not None:
                 choice.setdefault("shallow", []).append(result.shallow)
+            if result.scheduler is not None:
+                choice.setdefault("scheduler", []).append(result.scheduler)
             if result.offload is not None:
                 choice.setdefault("offload", []).append(result.offload)
             conversation.add_answer(prompt_ids, result.token_ids)

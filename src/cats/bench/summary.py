@@ -97,6 +97,25 @@ def shallow_totals(answers: Sequence[dict]) -> dict | None:
     return total.to_dict()
 
 
+def scheduler_totals(answers: Sequence[dict]) -> dict | None:
+    """The DyTC scheduler's decisions summed over every turn (steps, drafted and accepted tokens per drafter,
+    look-ahead use), each drafter's acceptance rate from the sums, and the estimates after the last turn; None
+    when the method has no scheduler."""
+    turns = [counts for a in answers for counts in choice(a).get("scheduler", [])]
+    if not turns:
+        return None
+    total: dict = {"choices": {}, "drafted": {}, "accepted": {}, "lookahead": {}}
+    for counts in turns:
+        for group in total:
+            for key, value in counts[group].items():
+                total[group][key] = total[group].get(key, 0) + value
+    steps = sum(total["choices"].values())
+    total["choice_share"] = {key: round(n / steps, 4) for key, n in total["choices"].items()} if steps else {}
+    total["acceptance"] = {key: round(total["accepted"][key] / n, 4) for key, n in total["drafted"].items() if n}
+    total["estimates"] = turns[-1]["estimates"]
+    return total
+
+
 OFFLOAD_SUMS = ("bytes_read", "layers_read", "read_s", "stall_s", "stalls", "acquires", "out_of_order")
 
 
@@ -194,6 +213,9 @@ def summarize(
         shallow = shallow_totals(good)
         if shallow is not None:
             entry["shallow"] = shallow
+        scheduler = scheduler_totals(good)
+        if scheduler is not None:
+            entry["scheduler"] = scheduler
         offload = offload_totals(good)
         if offload is not None:
             entry["offload"] = offload

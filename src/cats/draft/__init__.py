@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from cats.draft.base import DecodeState, Drafter, Proposal
 from cats.draft.early_exit import EarlyExitDrafter, default_draft_layer
+from cats.draft.layer_skip import LayerSkipDrafter, SkipSet
 from cats.draft.prompt_lookup import PromptLookupDrafter
 from cats.draft.tree_draft import TreeDrafter
 from cats.errors import InvalidArgumentError, UnknownMethodError
 from cats.memory.speculation import speculation_for
 from cats.model import LayeredModel
 
-METHODS = ("ar", "pld", "early-exit", "tree", "cats", "cats-no-shallow")
-# cats = draft adapter + dynamic tree + shallow-verifier cascade; cats-no-shallow ablates the cascade
+METHODS = ("ar", "pld", "early-exit", "tree", "cats", "cats-no-shallow", "layer-skip", "dytc")
+# cats = draft adapter + dynamic tree + shallow-verifier cascade; cats-no-shallow ablates the cascade;
+# layer-skip = the target with calibrated sublayers skipped; dytc = a scheduler over prompt lookup, layer-skip
+# drafters in a vertical cascade and (with --adapters) the draft adapter
+LAYER_SKIP_SPARSITY = 0.4
+DYTC_SPARSITIES = (0.4, 0.6)
 
 
 def _draft_adapter(adapters: str | None, model: LayeredModel):
@@ -48,17 +55,46 @@ def make_drafter(
     tree_topk: int | None = None,
     total_tokens: int | None = None,
     depth: int | None = None,
+    sparsity: float | Sequence[float] | None = None,
 ) -> Drafter | None:
     """The drafter for a method name; ``None`` for plain autoregressive decoding (``ar``).
 
     ``adapters``: a folder with trained adapters (``DIR/draft/`` or an adapter folder itself); early exit and
     trees then draft through the draft adapter at its own layer. ``threshold``: their confidence stop.
     ``tree_topk``, ``total_tokens``, ``depth``: the shape of dynamic draft trees (method ``tree``).
+    ``sparsity``: layer-skip's fraction of skipped sublayers (default 0.4), or dytc's list of them (default 0.4,
+    0.6); skip sets come from the calibration cache, calibrated on first use (`cats.draft.calibrate`).
 
     Left as None, the early-exit draft length and the tree shape are 4 and (4, 16, 5); when the model streams
     layers under a memory budget they come from the speculation bucket chosen for the budget's I/O cost
-    (`cats.memory.speculation`)."""
+    (`cats.memory.speculation`). layer-skip and dytc draft through every layer, so they refuse a model that
+    streams layers."""
     check_method(method)
+    if method in ("layer-skip", "dytc") and model.weights is not None:
+        raise InvalidArgumentError(f"{method} drafts through every layer, so under a memory budget every draft token "
+                                   "would read the streamed layers again; it needs a budget that keeps every layer "
+                                   "resident (or use tree, cats, early-exit or pld)")
+    if sparsity is not None and method not in ("layer-skip", "dytc"):
+        raise InvalidArgumentError(f"--sparsity applies to layer-skip and dytc, not to {method!r}")
+    if method == "layer-skip" and adapters is not None:
+        raise InvalidArgumentError("--adapters does not apply to layer-skip (it needs no training); use dytc to "
+                                   "combine layer skipping with the draft adapter")
+    if method == "dytc" and threshold:
+        raise InvalidArgumentError("--threshold does not apply to dytc: the scheduler chooses draft lengths itself")
+    if method == "layer-skip":
+        values = _sparsities(sparsity, (LAYER_SKIP_SPARSITY,))
+        if len(values) != 1:
+            raise InvalidArgumentError(f"layer-skip takes one sparsity, got {', '.join(map(str, values))}")
+        return make_layer_skip(model, values[0], num_tokens=num_draft_tokens or 4, threshold=threshold)
+    if method == "dytc":
+        from cats.draft.dytc import make_dytc
+
+        bucket = speculation_for(model)[0]  # the default shape: nothing streams here
+        return make_dytc(model, _sparsities(sparsity, DYTC_SPARSITIES), adapter=_draft_adapter(adapters, model),
+                         max_ngram=max_ngram, num_tokens=num_draft_tokens,
+                         tree_topk=bucket.tree_topk if tree_topk is None else tree_topk,
+                         total_tokens=bucket.total_tokens if total_tokens is None else total_tokens,
+                         depth=bucket.depth if depth is None else depth)
     if method in ("cats", "cats-no-shallow") and adapters is None:
         raise InvalidArgumentError(f"method {method!r} needs --adapters DIR holding trained draft/ and shallow/ adapters "
                                    "(cats train adapter); without adapters use tree or early-exit")
@@ -93,7 +129,31 @@ def make_drafter(
     return drafter
 
 
+def _sparsities(value: float | Sequence[float] | None, default: tuple[float, ...]) -> tuple[float, ...]:
+    if value is None:
+        return default
+    values = (value,) if isinstance(value, (int, float)) else tuple(value)
+    if not values:
+        raise InvalidArgumentError("--sparsity is empty")
+    for v in values:
+        if not 0.0 < float(v) < 1.0:
+            raise InvalidArgumentError(f"sparsity must lie in (0, 1), got {v}")
+    if len(set(values)) != len(values):
+        raise InvalidArgumentError(f"--sparsity repeats a value: {', '.join(map(str, values))}")
+    return tuple(float(v) for v in values)
+
+
+def make_layer_skip(model: LayeredModel, sparsity: float, num_tokens: int = 4, threshold: float = 0.0,
+                    assist: Drafter | None = None) -> LayerSkipDrafter:
+    """A layer-skip drafter with the model's cached (or newly calibrated) skip set at ``sparsity``."""
+    from cats.draft.calibrate import load_or_calibrate
+
+    result = load_or_calibrate(model, sparsity)
+    return LayerSkipDrafter(model, result.skip, num_tokens=num_tokens, assist=assist, threshold=threshold,
+                            sparsity=sparsity, agreement=result.agreement)
+
+
 __all__ = [
-    "DecodeState", "Drafter", "EarlyExitDrafter", "METHODS", "PromptLookupDrafter", "Proposal", "TreeDrafter",
-    "check_method", "default_draft_layer", "make_drafter",
+    "DecodeState", "Drafter", "EarlyExitDrafter", "LayerSkipDrafter", "METHODS", "PromptLookupDrafter", "Proposal",
+    "SkipSet", "TreeDrafter", "check_method", "default_draft_layer", "make_drafter", "make_layer_skip",
 ]

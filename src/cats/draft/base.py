@@ -80,6 +80,10 @@ class Drafter(ABC):
     def observe(self, proposal: Proposal, num_accepted: int) -> None:
         """Told after each step how many drafted tokens the target accepted (for adaptive drafters)."""
 
+    def counters(self) -> dict | None:
+        """Per-generation counters to report (a scheduler's decisions and estimates); None: nothing to report."""
+        return None
+
     def describe(self) -> dict:
         """Settings shown in stats and reports."""
         return {"name": self.name}

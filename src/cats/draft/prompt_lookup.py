@@ -19,16 +19,26 @@ def lookup_continuation(token_ids: np.ndarray, max_ngram: int, min_ngram: int, n
     >>> lookup_continuation(np.array([5, 6, 7, 8, 5, 6]), 2, 1, 3).tolist()
     [7, 8, 5]
     """
+    return lookup_with_ngram(token_ids, max_ngram, min_ngram, num_tokens)[0]
+
+
+def lookup_with_ngram(token_ids: np.ndarray, max_ngram: int, min_ngram: int, num_tokens: int) -> tuple[np.ndarray, int]:
+    """`lookup_continuation` and the length n of the n-gram that matched (0 when nothing matched)."""
     length = len(token_ids)
+    if length < 2:
+        return token_ids[:0], 0
+    # candidate match ends: earlier positions holding the last token (every one is followed by at least one token)
+    ends = np.flatnonzero(token_ids[:-1] == token_ids[-1])
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        pattern = token_ids[-n:]
-        # windows start at 0 .. length-1-n, so every match is followed by at least one token
-        windows = np.lib.stride_tricks.sliding_window_view(token_ids[:-1], n)
-        matches = np.flatnonzero((windows == pattern).all(axis=1))
+        matches = ends[ends >= n - 1]
+        for back in range(1, n):
+            if not matches.size:
+                break
+            matches = matches[token_ids[matches - back] == token_ids[-1 - back]]
         if matches.size:
-            start = int(matches[-1]) + n
-            return token_ids[start : start + num_tokens]
-    return token_ids[:0]
+            start = int(matches[-1]) + 1
+            return token_ids[start : start + num_tokens], n
+    return token_ids[:0], 0
 
 
 class PromptLookupDrafter(Drafter):

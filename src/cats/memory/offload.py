@@ -193,6 +193,8 @@ def memory_needs(config, dtype: torch.dtype, method: str = "ar", adapters: str |
             layers.append(layer)
             resident += size
             extra += 1
+    if method in ("layer-skip", "dytc"):  # they draft through every layer: all of them must stay resident
+        layers.append(config.num_hidden_layers)
     if method in ("early-exit", "tree", "cats-no-shallow", "cats") and not layers:
         layers.append(draft_layer if draft_layer is not None else max(1, config.num_hidden_layers // 8))
     needs.min_resident_layers = min(max(layers, default=0), config.num_hidden_layers)
@@ -201,7 +203,7 @@ def memory_needs(config, dtype: torch.dtype, method: str = "ar", adapters: str |
         needs.max_tree_tokens = (num_draft_tokens or 10) + 1
     elif method == "early-exit":
         needs.max_tree_tokens = (num_draft_tokens or max(b.num_draft_tokens for b in BUCKETS)) + 1
-    elif method in ("tree", "cats-no-shallow", "cats"):
+    elif method in ("tree", "cats-no-shallow", "cats", "dytc"):
         nodes = total_tokens or max(b.total_tokens for b in BUCKETS)
         needs.max_tree_tokens = (2 * nodes if method == "cats" else nodes) + 1  # the cascade may add corrections
     return needs

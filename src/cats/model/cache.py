@@ -73,6 +73,26 @@ class KVCache:
             layer.values = layer.values.index_select(-2, index)
             self._positions[i] = self._positions[i].index_select(0, slots.cpu())
 
+    def split_off(self, length: int, layers: Iterable[int]) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Remove the slots after the first ``length`` of ``layers`` and return them (keys, values, positions per
+        layer) for `restore`: a drafter parks its own draft slots while another drafter uses the same layers."""
+        parked = []
+        for i in layers:
+            extra = self.length(i) - length
+            if extra > 0:
+                layer = self.hf_cache.layers[i]
+                parked.append((i, layer.keys[..., length:, :], layer.values[..., length:, :], self._positions[i][length:]))
+                self.crop(length, [i])
+        return parked
+
+    def restore(self, parked: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """Append slots removed by `split_off` back onto their layers."""
+        for i, keys, values, positions in parked:
+            layer = self.hf_cache.layers[i]
+            layer.keys = torch.cat([layer.keys, keys], dim=-2)
+            layer.values = torch.cat([layer.values, values], dim=-2)
+            self._positions[i] = torch.cat([self._positions[i], positions])
+
     def check(self) -> None:
         """Assert invariants 1-2 (slot counts agree between K/V tensors and position records)."""
         for i, layer in enumerate(self.hf_cache.layers):

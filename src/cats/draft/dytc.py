@@ -1,0 +1,617 @@
+"""DyTC scheduling (CAS-Spec's Dynamic Tree Cascade, for chains): each step, pick the drafter and the draft length
+that maximise the expected tokens per unit of predicted time, from estimates learned while decoding.
+
+Options each step (all from the target itself, or a trained draft adapter):
+
+* no draft (plain decoding: 1 token for one 1-token target forward);
+* prompt lookup, the near-free bottom draft: its n-gram match is looked up *before* deciding, so the scheduler
+  knows how many tokens it offers and how long the match is (acceptance is tracked per matched n-gram length);
+* each model drafter (layer-skip drafters, usually in a vertical cascade with prompt lookup under them, see
+  `cats.draft.layer_skip`; the early exit through a trained draft adapter), at every length 1..its maximum.
+
+Estimates (all online):
+
+* acceptance: per drafter (and per prompt-lookup n-gram length) a per-token acceptance rate alpha, an exponential
+  moving average with decay lambda = 0.7 over the observations of the last 20 decode steps (CAS-Spec's settings).
+  Each step contributes its accepted tokens and its trials (accepted + 1 if a drafted token was rejected): the
+  weighted geometric-model estimate. The prior (prompt lookup: fixed guesses; layer skip: the calibrated
+  agreement; an adapter: its held-out agreement) enters as one pseudo-observation older than all others, and is all
+  that is left when a drafter went unused for 20 steps: a drafter with a good prior is tried again then (exploration).
+* latency: recursive least squares with forgetting (0.98), time = a + b * n, for the target's verification of
+  n >= 2 tokens and for each drafter (n = tokens drafted), and a moving average of the one-token forward (plain
+  decoding; on CPUs it is often cheaper than the line through multi-token forwards predicts, as matrix-vector
+  kernels give way to matrix-matrix ones), measured with the clock around `propose` and between `propose` and
+  `observe` (the verification). Each drafter is tried once (at length 2) as soon as a verification was timed, so
+  that its cost is measured rather than assumed; the estimates persist across generations.
+
+Objective (A*-style, as CAS-Spec): for drafter c at length k with acceptance alpha,
+
+    rate(c, k) = (1 + sum_{i=1..k} alpha^i + alpha^k * Y) / (T_c(k) + T_verify(k + 1))
+
+where the look-ahead term ``alpha^k * Y`` is the expected yield of the bottom draft (prompt lookup) after the
+chain: when the whole chain is accepted, the prompt-lookup continuation of context + chain (up to
+``lookahead_tokens``) is verified with it; Y is the moving average of the tokens that continuation yielded on the
+steps the chain was fully accepted. After drafting, the continuation is attached only at the length that maximises
+the same rate with its own n-gram acceptance (so it is skipped when it would not pay). No draft has rate
+``1 / T_verify(1)``, so the scheduler drafts only when it expects to beat plain decoding.
+
+With a draft adapter among the drafters, the adapter's own cache layer must hold every committed token: when
+another drafter was chosen, the scheduler runs ``[x, drafts]`` through the target's first L layers and the adapter
+itself and hands the verifier their states after layer L (the verifier then skips those layers), so nothing runs
+twice. Output is unchanged (lossless): the target verifies every token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from cats.draft.base import DecodeState, Drafter, Proposal
+from cats.draft.prompt_lookup import PromptLookupDrafter, lookup_with_ngram
+from cats.errors import InvalidArgumentError
+
+DECAY, WINDOW = 0.7, 20  # CAS-Spec's acceptance moving average
+FORGETTING = 0.98  # latency fits
+PLD_PRIORS = {1: 0.3, 2: 0.5, 3: 0.6}  # prompt-lookup acceptance before any observation, by matched n-gram length
+PLD_COST = 0.002  # prompt lookup's prior cost per token, as a fraction of a one-token target forward
+VERIFY_SLOPE = 0.1  # prior cost of each further verified token, as a fraction of a one-token forward
+MAX_ALPHA = 0.98
+NONE, PLD = "none", "pld"
+
+
+def expected_accepted(alpha: float, k: int) -> float:
+    """Expected accepted tokens of a k-token chain whose tokens are each accepted with probability alpha (given
+    all before it were): ``sum_{i=1..k} alpha^i``."""
+    if k <= 0 or alpha <= 0:
+        return 0.0
+    if alpha >= 1:
+        return float(k)
+    return alpha * (1 - alpha**k) / (1 - alpha)
+
+
+class WindowedAverage:
+    """Exponentially weighted average (newest weight 1, then ``decay``, ``decay^2`` ...) of the observations made in
+    the last ``window`` steps, with a prior as one pseudo-observation older than all of them."""
+
+    def __init__(self, prior: float, decay: float = DECAY, window: int = WINDOW):
+        self.prior, self.decay, self.window = prior, decay, window
+        self.history: deque[tuple[int, float, float]] = deque()  # (step, value, weight)
+
+    def observe(self, step: int, value: float, weight: float = 1.0) -> None:
+        self.history.append((step, value, weight))
+
+    def _recent(self, step: int) -> list[tuple[int, float, float]]:
+        while self.history and self.history[0][0] <= step - self.window:
+            self.history.popleft()
+        return list(self.history)
+
+    def ratio(self, step: int) -> float:
+        """``sum w_i value_i / sum w_i weight_i`` (prior: value = prior, weight = 1)."""
+        recent = self._recent(step)
+        numerator = denominator = 0.0
+        factor = 1.0
+        for _, value, weight in reversed(recent):
+            numerator += factor * value
+            denominator += factor * weight
+            factor *= self.decay
+        numerator += factor * self.prior
+        denominator += factor
+        return numerator / denominator
+
+    def count(self, step: int) -> int:
+        return len(self._recent(step))
+
+
+class AcceptanceEstimate(WindowedAverage):
+    """Per-token acceptance alpha of one drafter: each step adds its accepted tokens over its trials."""
+
+    def observe_step(self, step: int, accepted: int, drafted: int) -> None:
+        if drafted > 0:
+            self.observe(step, float(accepted), float(accepted + (1 if accepted < drafted else 0)))
+
+    def value(self, step: int) -> float:
+        return min(self.ratio(step), MAX_ALPHA)
+
+
+class LatencyModel:
+    """``seconds ~ a + b * n`` by recursive least squares with forgetting.
+
+    Fitted in units of the first observation (so the prior is scale-free): the first observation sets
+    ``a, b`` to the prior shape ``b = slope_share * a`` through it; later ones update by RLS. A direction the data do
+    not excite (n always the same) stays at the prior shape, and the covariance is capped so it cannot wind up."""
+
+    def __init__(self, slope_share: float, forgetting: float = FORGETTING):
+        self.slope_share, self.forgetting = slope_share, forgetting
+        self.scale: float | None = None
+        self.theta = np.zeros(2)
+        self.P = np.eye(2)
+        self.count = 0
+
+    def observe(self, n: float, seconds: float) -> None:
+        phi = np.array([1.0, float(n)])
+        if self.scale is None:
+            self.scale = max(seconds, 1e-9)
+            a = 1.0 / (1.0 + self.slope_share * n)
+            self.theta = np.array([a, self.slope_share * a])
+            self.P0 = np.diag([1.0, max(self.slope_share, 0.05) ** 2]) * 10.0
+            self.P = self.P0.copy()
+        else:
+            y = seconds / self.scale
+            gain = self.P @ phi / (self.forgetting + phi @ self.P @ phi)
+            self.theta = self.theta + gain * (y - phi @ self.theta)
+            self.P = (self.P - np.outer(gain, phi @ self.P)) / self.forgetting
+            limit = 1e3 * np.trace(self.P0)
+            if np.trace(self.P) > limit:
+                self.P *= limit / np.trace(self.P)
+        self.count += 1
+
+    @property
+    def ready(self) -> bool:
+        return self.scale is not None
+
+    def predict(self, n: float) -> float:
+        """Predicted seconds (at least a microsecond); only when `ready`."""
+        a, b = self.line()
+        return max(a + b * n, 1e-6)
+
+    def line(self) -> tuple[float, float]:
+        """``(a, b)`` in seconds; only when `ready`."""
+        return float(self.theta[0]) * self.scale, float(self.theta[1]) * self.scale
+
+    def coefficients(self) -> list[float] | None:
+        """``[a, b]`` in seconds, or None before the first observation."""
+        return None if self.scale is None else [float(c * self.scale) for c in self.theta]
+
+
+class MovingLatency:
+    """An exponential moving average of a duration (one-token forwards), forgetting factor as `LatencyModel`."""
+
+    def __init__(self, forgetting: float = FORGETTING):
+        self.forgetting, self.value, self.count = forgetting, 0.0, 0
+
+    @property
+    def ready(self) -> bool:
+        return self.count > 0
+
+    def observe(self, seconds: float) -> None:
+        self.count += 1
+        weight = max(1.0 - self.forgetting, 1.0 / self.count)  # a plain mean until the window fills
+        self.value += weight * (seconds - self.value)
+
+
+@dataclass
+class DraftOption:
+    """A drafter the scheduler may choose: a chain drafter at any length up to ``max_tokens``, or (``tree``) a
+    drafter of fixed-shape token trees of at most ``max_tokens`` nodes, whose mean accepted tokens per step the
+    scheduler tracks instead of a per-token rate."""
+
+    key: str  # its name in counters, e.g. "ls0.4<pld"
+    drafter: Drafter  # a chain drafter is asked for exactly the chosen length; a tree drafter drafts its own shape
+    max_tokens: int = 8
+    prior_acceptance: float = 0.5  # per token (a tree: of its best path, over its depth)
+    prior_cost: float = 0.5  # per drafted token, as a fraction of a one-token target forward
+    tree: bool = False
+
+
+@dataclass
+class _Decision:
+    key: str  # NONE, PLD or an option's key
+    k: int  # chain tokens drafted
+    extension: int = 0  # prompt-lookup tokens attached after the chain
+    extension_ngram: int = 0
+    ngram: int = 0  # prompt lookup: the n-gram length that matched
+    drafted_at: float = 0.0  # clock when drafting ended (verification starts)
+
+
+class DyTCDrafter(Drafter):
+    """Chooses, each step, no draft, prompt lookup, or one of ``options`` and a length (module docstring).
+
+    Args:
+        options: model drafters (at most one with its own cache layers, i.e. a trained draft adapter).
+        lookup: the prompt-lookup drafter used as an option and as the bottom look-ahead (None: neither).
+        lookahead_tokens: longest prompt-lookup continuation attached after a model drafter's chain (0: none).
+        decay, window: the acceptance moving average (CAS-Spec: 0.7, 20 steps).
+        clock: a monotonic clock in seconds (tests pass a fake one).
+    """
+
+    name = "dytc"
+
+    def __init__(self, options: Sequence[DraftOption], lookup: PromptLookupDrafter | None = None,
+                 lookahead_tokens: int = 4, decay: float = DECAY, window: int = WINDOW,
+                 forgetting: float = FORGETTING, clock: Callable[[], float] = time.perf_counter):
+        if not options and lookup is None:
+            raise InvalidArgumentError("DyTC needs at least one drafter (prompt lookup or a model drafter)")
+        keys = [option.key for option in options]
+        if len(set(keys)) != len(keys) or NONE in keys or PLD in keys:
+            raise InvalidArgumentError(f"DyTC drafter names must be distinct and not {NONE!r} or {PLD!r}: {keys}")
+        if lookahead_tokens < 0 or not 0 < decay < 1 or window < 1 or not 0 < forgetting <= 1:
+            raise InvalidArgumentError("DyTC needs lookahead_tokens >= 0, 0 < decay < 1, window >= 1, "
+                                       "0 < forgetting <= 1")
+        for option in options:
+            if option.max_tokens < 1 or not 0 <= option.prior_acceptance <= 1 or option.prior_cost < 0:
+                raise InvalidArgumentError(f"DyTC option {option.key!r}: max_tokens >= 1, prior acceptance in "
+                                           "[0, 1] and a non-negative prior cost are required")
+        with_cache = [option for option in options if option.drafter.cache_layers]
+        if len({id(getattr(option.drafter, "adapter", None)) for option in with_cache}) > 1:
+            raise InvalidArgumentError("DyTC can hold one draft adapter (drafters with their own cache layers must "
+                                       "share it)")
+        self.options = {option.key: option for option in options}
+        self.lookup, self.lookahead_tokens = lookup, lookahead_tokens if lookup is not None else 0
+        self.decay, self.window, self.clock = decay, window, clock
+        self.synced = with_cache[0].drafter if with_cache else None  # the adapter drafter kept in sync
+        self.cache_layers = self.synced.cache_layers if self.synced else 0
+        self.prefill_layers = tuple(sorted({layer for o in options for layer in o.drafter.prefill_layers}))
+        # drafters whose prefill runs once: one per adapter, and any other drafter that asks for prompt states
+        self._prefilled = ([self.synced] if self.synced else []) + [
+            o.drafter for o in options if o.drafter.prefill_layers and not o.drafter.cache_layers]
+        self.tree_yield = {  # trees: mean accepted tokens per step, prior from the per-token prior over the depth
+            key: WindowedAverage(expected_accepted(o.prior_acceptance, getattr(o.drafter, "depth", o.max_tokens)),
+                                 decay, window) for key, o in self.options.items() if o.tree}
+        self.acceptance = {key: AcceptanceEstimate(o.prior_acceptance, decay, window)
+                           for key, o in self.options.items() if not o.tree}
+        self.pld_acceptance: dict[int, AcceptanceEstimate] = {}
+        self.lookahead_yield = WindowedAverage(0.0, decay, window)
+        self.verify_latency = LatencyModel(VERIFY_SLOPE, forgetting)  # verifying 2 or more tokens
+        self.single_latency = MovingLatency(forgetting)  # a one-token forward (no draft): often much cheaper per
+        # token than the line through multi-token forwards predicts (matrix-vector vs matrix-matrix kernels)
+        self.draft_latency = {key: LatencyModel(0.05, forgetting) for key in list(self.options) + [PLD]}
+        self.step = 0
+        self._state: DecodeState | None = None
+        self._decision: _Decision | None = None
+        self._reset_counters()
+
+    # ------------------------------------------------------------------ estimates
+    def _alpha_pld(self, ngram: int) -> AcceptanceEstimate:
+        if ngram not in self.pld_acceptance:
+            prior = PLD_PRIORS.get(ngram, max(PLD_PRIORS.values()))
+            self.pld_acceptance[ngram] = AcceptanceEstimate(prior, self.decay, self.window)
+        return self.pld_acceptance[ngram]
+
+    def _verify_line(self) -> tuple[float, float]:
+        """``(a, b)`` of the time ``a + b * n`` to verify n >= 2 tokens; until measured, the prior shape through
+        the one-token time (in units of a one-token forward until that is measured too)."""
+        if self.verify_latency.ready:
+            return self.verify_latency.line()
+        single = self._single_time()
+        return single * (1.0 - VERIFY_SLOPE), single * VERIFY_SLOPE
+
+    def _single_time(self) -> float:
+        """Time of a one-token target forward (plain decoding)."""
+        if self.single_latency.ready:
+            return self.single_latency.value
+        if self.verify_latency.ready:
+            return self.verify_latency.predict(1)
+        return 1.0
+
+    def _draft_line(self, key: str) -> tuple[float, float]:
+        """``(a, b)`` of the drafting time ``a + b * k``; before any measurement, the prior cost ratio per token
+        times a one-token verification."""
+        model = self.draft_latency[key]
+        if model.ready:
+            return model.line()
+        return 0.0, (PLD_COST if key == PLD else self.options[key].prior_cost) * self._single_time()
+
+    def _verify_time(self, n: int) -> float:
+        if n <= 1:
+            return max(self._single_time(), 1e-6)
+        a, b = self._verify_line()
+        return max(a + b * n, 1e-6)
+
+    def rate(self, key: str, k: int, alpha: float, lookahead: float = 0.0) -> float:
+        """Expected tokens per predicted second of drafting ``k`` tokens with ``key`` (see module docs)."""
+        return self._best_length(key, k, alpha, lookahead, only=k)[1]
+
+    def _best_length(self, key: str, max_k: int, alpha: float, lookahead: float = 0.0,
+                     only: int | None = None) -> tuple[int, float]:
+        """The length in ``1..max_k`` with the best rate (the first on ties) and that rate."""
+        if key == NONE or max_k == 0:
+            return 0, 1.0 / max(self._single_time(), 1e-6)
+        va, vb = self._verify_line()
+        da, db = self._draft_line(key)
+        best_k, best, accepted, power = 0, -1.0, 0.0, 1.0
+        for k in range(1, max_k + 1):
+            power *= alpha
+            accepted += power
+            if only is not None and k != only:
+                continue
+            value = (1.0 + accepted + power * lookahead) / (max(da + db * k, 0.0) + max(va + vb * (k + 1), 1e-6))
+            if value > best:
+                best_k, best = k, value
+        return best_k, best
+
+    def plan(self, max_tokens: int, lookup_tokens: int = 0, ngram: int = 0) -> tuple[str, int]:
+        """The best (drafter key, length) now, given that prompt lookup offers ``lookup_tokens`` tokens from an
+        ``ngram``-token match. Ties go to the earlier candidate: no draft, prompt lookup, options in order, shorter."""
+        if self.single_latency.ready or self.verify_latency.ready:
+            for key, option in self.options.items():  # try every drafter once, so its cost is measured, not assumed
+                if not self.draft_latency[key].ready and min(option.max_tokens, max_tokens) >= 1:
+                    return key, option.max_tokens if option.tree else min(2, option.max_tokens, max_tokens)
+        choice, best = (NONE, 0), self._best_length(NONE, 0, 0.0)[1]
+        if lookup_tokens and max_tokens > 0:
+            k, value = self._best_length(PLD, min(lookup_tokens, max_tokens), self._alpha_pld(ngram).value(self.step))
+            if value > best:
+                choice, best = (PLD, k), value
+        lookahead = self.lookahead_yield.ratio(self.step) if self.lookahead_tokens else 0.0
+        for key, option in self.options.items():
+            limit = min(option.max_tokens, max_tokens)
+            if limit <= 0:
+                continue
+            if option.tree:
+                k = option.max_tokens  # its node count (the budget only limits its depth)
+                da, db = self._draft_line(key)
+                value = (1.0 + self.tree_yield[key].ratio(self.step)) / (max(da + db * k, 0.0) + self._verify_time(k + 1))
+            else:
+                k, value = self._best_length(key, limit, self.acceptance[key].value(self.step), lookahead)
+            if value > best:
+                choice, best = (key, k), value
+        return choice
+
+    # ------------------------------------------------------------------ the Drafter interface
+    def prefill(self, state: DecodeState, hidden: dict[int, torch.Tensor]) -> None:
+        self._begin(state)
+        for drafter in self._prefilled:
+            drafter.prefill(state, hidden)
+
+    def propose(self, state: DecodeState, max_tokens: int) -> Proposal:
+        if state is not self._state:
+            self._begin(state)
+        self.step += 1
+        start = self.clock()
+        tokens = self._token_array(state)
+        found, ngram = np.empty(0, dtype=np.int64), 0
+        if self.lookup is not None and max_tokens > 0:
+            found, ngram = lookup_with_ngram(tokens, self.lookup.max_ngram, self.lookup.min_ngram,
+                                             min(self.lookup.num_tokens, max_tokens))
+        key, k = self.plan(max_tokens, len(found), ngram)
+        decision = _Decision(key, k, ngram=ngram if key == PLD else 0)
+        if key == NONE:
+            proposal = Proposal.empty()
+        elif key == PLD:
+            proposal = Proposal(tokens=torch.as_tensor(found[:k], dtype=torch.long))
+        else:
+            proposal = self.options[key].drafter.propose(state, max_tokens if self.options[key].tree else k)
+            decision.k = proposal.num_tokens
+        drafted_at = self.clock()
+        if key not in (NONE, PLD):
+            self.draft_latency[key].observe(decision.k, drafted_at - start)
+        if key not in (NONE, PLD) and not self.options[key].tree:
+            proposal = self._attach_lookahead(state, proposal, decision, self.options[key].drafter,
+                                              drafted_at - start, max_tokens)
+        elif key == PLD:
+            self.draft_latency[PLD].observe(k, drafted_at - start)
+        if self.synced is not None and proposal.hidden is None:
+            proposal = self._run_synced(state, proposal)
+        decision.drafted_at = drafted_at
+        self._decision = decision
+        self._counts["choices"][key] += 1
+        self._counts["drafted"][key] += decision.k
+        return proposal
+
+    def observe(self, proposal: Proposal, num_accepted: int) -> None:
+        decision, self._decision = self._decision, None
+        if decision is None:
+            return
+        verify_s = self.clock() - decision.drafted_at
+        if proposal.num_tokens:
+            self.verify_latency.observe(proposal.num_tokens + 1, verify_s)
+        else:
+            self.single_latency.observe(verify_s)
+        chain = min(num_accepted, decision.k)
+        self._counts["accepted"][decision.key] += chain
+        if decision.key in self.tree_yield:
+            self.tree_yield[decision.key].observe(self.step, float(num_accepted))
+        elif decision.key == PLD:
+            self._alpha_pld(decision.ngram).observe_step(self.step, chain, decision.k)
+        elif decision.key != NONE:
+            self.acceptance[decision.key].observe_step(self.step, chain, decision.k)
+            if num_accepted >= decision.k and self.lookahead_tokens:  # the look-ahead was reached
+                gained = num_accepted - decision.k
+                self.lookahead_yield.observe(self.step, float(gained))
+                if decision.extension:
+                    self._alpha_pld(decision.extension_ngram).observe_step(self.step, gained, decision.extension)
+                    self._counts["lookahead_accepted"] += gained
+
+    # ------------------------------------------------------------------ helpers
+    def _attach_lookahead(self, state: DecodeState, proposal: Proposal, decision: _Decision, drafter: Drafter,
+                          draft_s: float, max_tokens: int) -> Proposal:
+        """Append the prompt-lookup continuation of context + chain at the length that maximises the rate."""
+        room = min(self.lookahead_tokens, max_tokens - proposal.num_tokens)
+        if room <= 0 or proposal.is_tree or (proposal.hidden is not None and not hasattr(drafter, "layer")):
+            return proposal
+        context = np.asarray(list(state.token_ids) + proposal.tokens.tolist())
+        found, ngram = lookup_with_ngram(context, self.lookup.max_ngram, self.lookup.min_ngram, room)
+        if not len(found):
+            return proposal
+        alpha = self.acceptance[decision.key].value(self.step)
+        alpha_ext = self._alpha_pld(ngram).value(self.step)
+        k = decision.k
+        base = 1.0 + expected_accepted(alpha, k)
+        best, length = base / (draft_s + self._verify_time(k + 1)), 0
+        for m in range(1, len(found) + 1):
+            value = (base + alpha**k * expected_accepted(alpha_ext, m)) / (draft_s + self._verify_time(k + 1 + m))
+            if value > best:
+                best, length = value, m
+        if not length:
+            return proposal
+        extension = torch.as_tensor(found[:length], dtype=torch.long)
+        decision.extension, decision.extension_ngram = length, ngram
+        self._counts["lookahead_steps"] += 1
+        self._counts["lookahead_tokens"] += length
+        extended = replace(proposal, tokens=torch.cat([proposal.tokens, extension]))
+        if proposal.logits is not None:  # the extension is deterministic: no draft distribution behind it
+            extended.logits = None
+        if proposal.hidden is not None:  # run the extension through the layers the drafter already ran
+            position = state.committed_length + 1 + k
+            extended.hidden = torch.cat([proposal.hidden, self._states(drafter, state, extension, position)], dim=1)
+        return extended
+
+    @staticmethod
+    def _states(drafter, state: DecodeState, tokens: torch.Tensor, position: int) -> torch.Tensor:
+        """Run ``tokens`` (a chain continuing at ``position``) through an early-exit drafter's layers and its
+        adapter (if any), appending their K/V; their states after its layer ``[1, T, H]``."""
+        model = state.model
+        positions = torch.arange(position, position + len(tokens))
+        hidden = model.forward_layers(model.embed(tokens), 0, drafter.layer, state.cache, position_ids=positions)
+        if drafter.adapter is not None:
+            drafter.adapter(hidden, state.cache, positions)
+        return hidden
+
+    def _run_synced(self, state: DecodeState, proposal: Proposal) -> Proposal:
+        """Keep the draft adapter's cache layer complete: run ``[x, drafts]`` through its layers and the adapter
+        and hand the verifier the states after its layer (the verifier skips those layers)."""
+        tokens = torch.cat([torch.tensor([state.token_ids[-1]]), proposal.tokens])
+        hidden = self._states(self.synced, state, tokens, state.committed_length)
+        return replace(proposal, hidden=hidden, hidden_layer=self.synced.layer)
+
+    def _token_array(self, state: DecodeState) -> np.ndarray:
+        """``state.token_ids`` as a numpy array, converting only the tokens added since the last step (within a
+        generation tokens are only ever appended)."""
+        ids, held = state.token_ids, self._held
+        if len(ids) > len(self._buffer):
+            grown = np.empty(max(2 * len(self._buffer), len(ids) + 256), dtype=np.int64)
+            grown[:held] = self._buffer[:held]
+            self._buffer = grown
+        self._buffer[held:len(ids)] = ids[held:]
+        self._held = len(ids)
+        return self._buffer[: len(ids)]
+
+    def _begin(self, state: DecodeState) -> None:
+        """A new generation: its counters start at zero (the estimates carry over)."""
+        self._state, self._decision = state, None
+        self._buffer, self._held = np.empty(0, dtype=np.int64), 0
+        self._reset_counters()
+
+    def _reset_counters(self) -> None:
+        self._counts = {"choices": Counter(), "drafted": Counter(), "accepted": Counter(),
+                        "lookahead_steps": 0, "lookahead_tokens": 0, "lookahead_accepted": 0}
+
+    def counters(self) -> dict:
+        """This generation's decisions (steps, drafted and accepted tokens per drafter, look-ahead use) and the
+        current estimates (acceptance, latency fits ``[a, b]`` in seconds)."""
+        counts = self._counts
+        keys = [NONE, PLD] + list(self.options)
+        return {
+            "choices": {key: counts["choices"][key] for key in keys},
+            "drafted": {key: counts["drafted"][key] for key in keys if key != NONE},
+            "accepted": {key: counts["accepted"][key] for key in keys if key != NONE},
+            "lookahead": {"steps": counts["lookahead_steps"], "tokens": counts["lookahead_tokens"],
+                          "accepted": counts["lookahead_accepted"]},
+            "estimates": {
+                "acceptance": {key: round(est.value(self.step), 4) for key, est in self.acceptance.items()},
+                "pld_acceptance": {str(n): round(est.value(self.step), 4)
+                                   for n, est in sorted(self.pld_acceptance.items())},
+                "lookahead_yield": round(self.lookahead_yield.ratio(self.step), 4),
+                "tree_yield": {key: round(y.ratio(self.step), 4) for key, y in self.tree_yield.items()},
+                "verify_latency_s": {"one_token": _rounded([self.single_latency.value])[0]
+                                     if self.single_latency.ready else None,
+                                     "line": _rounded(self.verify_latency.coefficients())},
+                "draft_latency_s": {key: _rounded(model.coefficients()) for key, model in self.draft_latency.items()},
+            },
+        }
+
+    def describe(self) -> dict:
+        return {"name": self.name, "decay": self.decay, "window": self.window, "lookahead_tokens": self.lookahead_tokens,
+                "lookup": self.lookup.describe() if self.lookup is not None else None,
+                "options": {key: {"max_tokens": o.max_tokens, "prior_acceptance": round(o.prior_acceptance, 4),
+                                  "prior_cost": round(o.prior_cost, 4), "drafter": o.drafter.describe()}
+                            for key, o in self.options.items()}}
+
+
+def draft_cost(model, layer_fraction: float) -> float:
+    """Prior cost of one draft token as a fraction of a one-token target forward: the draft runs
+    ``layer_fraction`` of the decoder's weights and the whole lm_head (weights read per token dominate on CPUs)."""
+    layers = sum(p.numel() for p in model.layers.parameters())
+    head = model.hf_model.lm_head.weight.numel()
+    return (layer_fraction * layers + head) / (layers + head)
+
+
+def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max_ngram: int = 3,
+              num_tokens: int | None = None, lookahead_tokens: int = 4, tree_topk: int = 4, total_tokens: int = 16,
+              depth: int = 5) -> DyTCDrafter:
+    """The training-free hierarchy of CAS-Spec plus, optionally, a trained draft adapter:
+
+    * prompt lookup (up to 10 tokens), also the bottom look-ahead;
+    * for each sparsity s, a layer-skip drafter ``ls<s><pld`` whose own tokens prompt lookup proposes (vertical
+      cascade); with two or more sparsities also ``ls<lowest><ls<highest><pld``, the densest drafter assisted by
+      the sparsest;
+    * with ``adapter``, the early exit through it: chains (``draft-adapter``) and dynamic trees of
+      ``total_tokens`` nodes (``draft-tree``, shaped by ``tree_topk`` and ``depth`` as in method ``tree``).
+
+    Model drafters draft up to ``num_tokens`` (default 8) tokens. Priors: a layer-skip drafter's calibrated
+    agreement, the adapter's held-out agreement (0.6 if unknown); costs from the share of the weights a draft token
+    runs through (`draft_cost`)."""
+    from cats.draft.calibrate import load_or_calibrate
+    from cats.draft.early_exit import EarlyExitDrafter
+    from cats.draft.layer_skip import LayerSkipDrafter
+    from cats.draft.tree_draft import TreeDrafter
+
+    limit = num_tokens or 8
+    if limit < 1:
+        raise InvalidArgumentError(f"dytc needs num_tokens >= 1, got {limit}")
+    lookup = PromptLookupDrafter(num_tokens=10, max_ngram=max_ngram)
+    bottom = PromptLookupDrafter(num_tokens=limit, max_ngram=max_ngram)
+    options = []
+    calibrated = [load_or_calibrate(model, s) for s in sorted(sparsities)]
+    for result in calibrated:
+        drafter = LayerSkipDrafter(model, result.skip, num_tokens=limit, assist=bottom, sparsity=result.sparsity,
+                                   agreement=result.agreement)
+        options.append(DraftOption(drafter.label, drafter, limit, result.agreement,
+                                   draft_cost(model, 1.0 - result.sparsity)))
+    if len(calibrated) >= 2:
+        dense, sparse = calibrated[0], calibrated[-1]
+        helper = LayerSkipDrafter(model, sparse.skip, num_tokens=limit, assist=bottom, sparsity=sparse.sparsity,
+                                  agreement=sparse.agreement)
+        drafter = LayerSkipDrafter(model, dense.skip, num_tokens=limit, assist=helper, sparsity=dense.sparsity,
+                                   agreement=dense.agreement)
+        # about two tokens per dense forward: the sparse drafter's cost plus half the dense one's, per token
+        cost = draft_cost(model, 1.0 - sparse.sparsity) + 0.5 * draft_cost(model, 1.0 - dense.sparsity)
+        options.append(DraftOption(drafter.label, drafter, limit, dense.agreement, cost))
+    if adapter is not None:
+        drafter = EarlyExitDrafter(model, adapter=adapter, num_tokens=limit)
+        final = (adapter.config.training or {}).get("final_eval") or {}
+        prior = float(final.get("agreement", 0.6))
+        cost = draft_cost(model, (drafter.layer + 1) / model.num_layers)
+        options.append(DraftOption("draft-adapter", drafter, limit, prior, cost))
+        tree = TreeDrafter(model, adapter=adapter, tree_topk=tree_topk, total_tokens=total_tokens, depth=depth)
+        # a tree runs the draft layers on its expanded nodes only: about depth * tree_topk of total_tokens
+        expanded = min(1.0, (depth * tree_topk + 1) / total_tokens)
+        options.append(DraftOption("draft-tree", tree, total_tokens, prior, cost * expanded, tree=True))
+    return DyTCDrafter(options, lookup=lookup, lookahead_tokens=lookahead_tokens)
+
+
+def _rounded(values: list[float] | None) -> list[float] | None:
+    return None if values is None else [float(f"{v:.4g}") for v in values]
+
+
+def choice_shares(scheduler: dict) -> dict[str, float]:
+    """Fraction of decode steps each drafter (or no draft) was chosen."""
+    total = sum(scheduler["choices"].values())
+    return {key: count / total for key, count in scheduler["choices"].items() if count} if total else {}
+
+
+def summary_text(scheduler: dict) -> str:
+    """One line for ``--stats``: the share of steps per choice and the acceptance estimates."""
+    shares = ", ".join(f"{key} {share:.0%}" for key, share in choice_shares(scheduler).items())
+    alphas = ", ".join(f"{key} {value:.2f}" for key, value in scheduler["estimates"]["acceptance"].items())
+    pld = ", ".join(f"{n}-gram {value:.2f}" for n, value in scheduler["estimates"]["pld_acceptance"].items())
+    trees = ", ".join(f"{key} {value:.2f}" for key, value in scheduler["estimates"].get("tree_yield", {}).items())
+    parts = [f"chose {shares or 'nothing'}"]
+    if alphas:
+        parts.append(f"acceptance {alphas}")
+    if pld:
+        parts.append(f"pld acceptance {pld}")
+    if trees:
+        parts.append(f"accepted per tree {trees}")
+    if scheduler["lookahead"]["steps"]:
+        look = scheduler["lookahead"]
+        parts.append(f"look-ahead {look['accepted']}/{look['tokens']} tokens accepted")
+    return "; ".join(parts)
+
+
+__all__ = ["AcceptanceEstimate", "DraftOption", "DyTCDrafter", "LatencyModel", "WindowedAverage",
+           "expected_accepted"]

@@ -1,0 +1,87 @@
+"""`cats chat`: streamed answers over a history, /reset, the statistics line, the context window."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import pytest
+
+from cats.chat import ChatSession
+from cats.decode_options import sampling_available
+from cats.draft import PromptLookupDrafter
+from cats.generate import GenerationConfig, Generator, encode_chat
+
+
+@pytest.fixture(scope="module")
+def model(stories_chat_dir):
+    import cats
+
+    return cats.load(str(stories_chat_dir))
+
+
+def greedy_answer(model, messages, max_new_tokens):
+    ids = encode_chat(model, messages)
+    return Generator(model).generate(ids, GenerationConfig(max_new_tokens=max_new_tokens)).text
+
+
+def test_answers_see_the_history_and_reset_forgets_it(model):
+    session = ChatSession(Generator(model, PromptLookupDrafter()), system="Tell stories.", max_new_tokens=20)
+    system = [{"role": "system", "content": "Tell stories."}]
+    streamed = []
+    first, stats = session.answer("Once upon a time", streamed.append)
+    history = [{"role": "user", "content": "Once upon a time"}, {"role": "assistant", "content": first}]
+    assert "".join(streamed) == first == greedy_answer(model, system + history[:1], 20)
+    assert stats.method == "pld" and stats.new_tokens == 20 and stats.mean_accepted >= 1
+    assert session.history == history
+
+    second, _ = session.answer("The dog", lambda _: None)
+    assert second == greedy_answer(model, system + history + [{"role": "user", "content": "The dog"}], 20)
+    session.reset()
+    assert session.history == []
+    assert session.answer("The dog", lambda _: None)[0] == greedy_answer(
+        model, system + [{"role": "user", "content": "The dog"}], 20)
+
+
+def test_old_turns_are_dropped_to_fit_the_context_window(stories_chat_dir):
+    import cats
+
+    model = cats.load(str(stories_chat_dir))
+    model.config.max_position_embeddings = 80  # a small context window
+    session = ChatSession(Generator(model), max_new_tokens=20)
+    for _ in range(4):
+        session.answer("Once upon a time there was a cat", lambda _: None)
+        assert len(encode_chat(model, session.messages())) < 80
+    assert session.dropped >= 2 and session.history[-2]["role"] == "user"
+
+
+def test_interrupted_answer_is_taken_back(model):
+    session = ChatSession(Generator(model), max_new_tokens=20)
+
+    def interrupt(_):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        session.answer("Once upon a time", interrupt)
+    assert session.history == []
+
+
+def test_cats_chat_command(stories_chat_dir, model, monkeypatch, capsys):
+    from cats.cli import main
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Once upon a time\n/help\n/reset\nOnce upon a time\n/exit\nnever\n"))
+    assert main(["chat", "--model", str(stories_chat_dir), "--max-new-tokens", "12"]) == 0
+    out, err = capsys.readouterr()
+    answer = greedy_answer(model, [{"role": "user", "content": "Once upon a time"}], 12)
+    assert out == f"{answer}\n{answer}\n"  # after /reset the same question gets the same answer
+    stats = [line for line in err.splitlines() if line.startswith("[pld] ")]
+    assert len(stats) == 2 and all("12 tokens" in s and "tok/s" in s and "mean accepted" in s for s in stats)
+    assert "(history cleared)" in err and "unknown command /help" in err
+
+
+@pytest.mark.skipif(sampling_available(), reason="this build samples")
+def test_cats_chat_refuses_sampling_it_does_not_have(stories_chat_dir, capsys):
+    from cats.cli import main
+
+    assert main(["chat", "--model", str(stories_chat_dir), "--temperature", "0.8"]) == 2
+    assert "sampling" in capsys.readouterr().err

@@ -1,0 +1,272 @@
+"""DyTC: the estimates (windowed acceptance average, recursive least squares), the decisions on hand-made drafters
+with known acceptance and latency, losslessness on every family, the method, and the counters in stats/bench."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from cats.draft import LayerSkipDrafter, PromptLookupDrafter, SkipSet, make_drafter
+from cats.draft.base import DecodeState, Drafter, Proposal
+from cats.draft.dytc import (AcceptanceEstimate, DraftOption, DyTCDrafter, LatencyModel, WindowedAverage,
+                             expected_accepted)
+from cats.errors import InvalidArgumentError
+from cats.generate import GenerationConfig, Generator
+from tests.conftest import FAMILIES, VOCAB, hf_greedy, tiny_model
+
+
+def test_expected_accepted():
+    assert expected_accepted(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
+    assert expected_accepted(1.0, 4) == 4 and expected_accepted(0.0, 4) == 0 and expected_accepted(0.7, 0) == 0
+
+
+def test_windowed_average_weights_and_window():
+    average = WindowedAverage(prior=0.5, decay=0.7, window=20)
+    assert average.ratio(step=1) == 0.5  # the prior alone
+    average.observe(1, 1.0)
+    average.observe(2, 0.0)
+    # newest weight 1, then 0.7, then the prior 0.49
+    assert average.ratio(2) == pytest.approx((0.0 + 0.7 * 1.0 + 0.49 * 0.5) / (1 + 0.7 + 0.49))
+    assert average.ratio(21) == pytest.approx((0.0 + 0.7 * 0.5) / 1.7)  # step 1 left the 20-step window
+    assert average.ratio(22) == 0.5 and average.count(22) == 0  # nothing left: back to the prior
+    alpha = AcceptanceEstimate(prior=0.5)
+    for step in range(1, 11):
+        alpha.observe_step(step, 3, 4)  # 3 accepted, then a rejection: trials 4
+    assert alpha.value(10) == pytest.approx(0.75, abs=0.01)
+    alpha.observe_step(11, 4, 4)  # all accepted: no failure observed
+    assert alpha.value(11) > 0.75
+
+
+def test_recursive_least_squares_recovers_a_linear_cost():
+    model = LatencyModel(slope_share=0.1, forgetting=0.98)
+    rng = random.Random(0)
+    for step in range(200):
+        n = 1 + step % 9
+        model.observe(n, 0.012 + 0.003 * n + rng.gauss(0, 1e-5))
+    a, b = model.coefficients()
+    assert a == pytest.approx(0.012, rel=0.02) and b == pytest.approx(0.003, rel=0.02)
+    assert model.predict(20) == pytest.approx(0.072, rel=0.02)
+    constant = LatencyModel(slope_share=0.1)
+    for _ in range(1000):
+        constant.observe(3, 0.013)  # one n only: the slope keeps the prior shape; no wind-up
+    assert constant.predict(3) == pytest.approx(0.013, rel=1e-3) and constant.coefficients()[1] > 0
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeDrafter(Drafter):
+    """Drafts token 7 repeatedly at ``cost`` seconds per token; the test decides acceptance."""
+
+    def __init__(self, clock: FakeClock, cost: float):
+        self.clock, self.cost, self.calls = clock, cost, 0
+
+    def propose(self, state, max_tokens):
+        self.calls += 1
+        self.clock.now += self.cost * max_tokens
+        return Proposal(tokens=torch.full((max_tokens,), 7, dtype=torch.long))
+
+
+def simulate(dytc: DyTCDrafter, clock: FakeClock, alphas: dict[str, float], steps: int, context=None, seed=0,
+             single: float = 0.011):
+    """Run the scheduler against a simulated target: verifying n >= 2 tokens costs 0.01 + 0.001 n seconds, one token
+    ``single`` seconds, and each drafted token of drafter ``key`` is accepted with probability ``alphas[key]``
+    (given the ones before it)."""
+    rng = random.Random(seed)
+    state = DecodeState(model=None, cache=None, token_ids=list(context or range(100, 130)), prompt_length=5)
+    chosen = []
+    for _ in range(steps):
+        began = clock.now
+        proposal = dytc.propose(state, 64)
+        decision = dytc._decision
+        clock.now += 0.01 + 0.001 * (proposal.num_tokens + 1) if proposal.num_tokens else single
+        accepted = 0
+        while accepted < decision.k and rng.random() < alphas.get(decision.key, 0.0):
+            accepted += 1
+        dytc.observe(proposal, accepted)
+        chosen.append((decision.key, decision.k, accepted + 1, clock.now - began))
+        state.token_ids.append(1000 + len(state.token_ids))  # fresh tokens: prompt lookup finds nothing
+    return chosen
+
+
+def test_scheduler_picks_the_drafter_that_pays_and_learns_its_numbers():
+    clock = FakeClock()
+    good, bad = FakeDrafter(clock, cost=0.001), FakeDrafter(clock, cost=0.006)
+    dytc = DyTCDrafter([DraftOption("bad", bad, 8, prior_acceptance=0.5, prior_cost=0.1),
+                        DraftOption("good", good, 8, prior_acceptance=0.5, prior_cost=0.1)],
+                       lookup=None, clock=clock)
+    chosen = simulate(dytc, clock, {"good": 0.85, "bad": 0.3}, steps=300)
+    late = [key for key, *_ in chosen[100:]]
+    assert late.count("good") > 0.9 * len(late)
+    counters = dytc.counters()
+    assert counters["estimates"]["acceptance"]["good"] == pytest.approx(0.85, abs=0.12)
+    verify_a, verify_b = counters["estimates"]["verify_latency_s"]["line"]
+    assert verify_a == pytest.approx(0.01, rel=0.05) and verify_b == pytest.approx(0.001, rel=0.1)
+    assert counters["estimates"]["draft_latency_s"]["good"][1] == pytest.approx(0.001, rel=0.1)
+    # tokens per second reached, against the best fixed length of the good drafter (brute force)
+    best = max((1 + expected_accepted(0.85, k)) / (0.001 * k + 0.01 + 0.001 * (k + 1)) for k in range(1, 9))
+    reached = sum(tokens for *_, tokens, _ in chosen[100:]) / sum(seconds for *_, seconds in chosen[100:])
+    assert reached > 0.85 * best
+    assert len({k for key, k, *_ in chosen[100:] if key == "good"}) > 1  # lengths follow the estimate
+
+
+def test_scheduler_drafts_nothing_when_no_drafter_pays():
+    clock = FakeClock()
+    slow = FakeDrafter(clock, cost=0.02)
+    dytc = DyTCDrafter([DraftOption("slow", slow, 8, prior_acceptance=0.6, prior_cost=0.5)], lookup=None, clock=clock)
+    chosen = simulate(dytc, clock, {"slow": 0.1}, steps=200)
+    late = [key for key, *_ in chosen[50:]]
+    assert late.count("none") > 0.85 * len(late)  # only the occasional re-try after the 20-step window
+    assert dytc.counters()["choices"]["none"] == sum(key == "none" for key, *_ in chosen)
+
+
+def test_a_cheap_one_token_forward_is_not_extrapolated_from_the_line():
+    """On CPUs a one-token forward can cost far less than the line through multi-token verifications predicts; the
+    scheduler measures it separately, so a drafter that would only beat the extrapolated cost is not used."""
+    clock = FakeClock()
+    free = FakeDrafter(clock, cost=0.0)
+    dytc = DyTCDrafter([DraftOption("free", free, 8, prior_acceptance=0.5, prior_cost=0.0)], lookup=None, clock=clock)
+    chosen = simulate(dytc, clock, {"free": 0.5}, steps=200, single=0.005)
+    late = [key for key, *_ in chosen[50:]]
+    assert late.count("none") > 0.85 * len(late)
+    assert dytc.counters()["estimates"]["verify_latency_s"]["one_token"] == pytest.approx(0.005)
+    # the same target with an expensive one-token forward: drafting pays and is chosen
+    clock = FakeClock()
+    dytc = DyTCDrafter([DraftOption("free", FakeDrafter(clock, 0.0), 8, 0.5, 0.0)], lookup=None, clock=clock)
+    late = [key for key, *_ in simulate(dytc, clock, {"free": 0.5}, steps=200, single=0.011)[50:]]
+    assert late.count("free") > 0.6 * len(late)  # not always: a run of rejections can bench it for 20 steps
+
+
+def test_prompt_lookup_is_chosen_when_its_matches_hold():
+    clock = FakeClock()
+    dytc = DyTCDrafter([], lookup=PromptLookupDrafter(num_tokens=10), clock=clock)
+    state = DecodeState(model=None, cache=None, token_ids=list(range(50, 70)) * 3 + [50, 51, 52], prompt_length=10)
+    proposal = dytc.propose(state, 64)
+    assert dytc._decision.key == "pld" and proposal.tokens.tolist()[:3] == [53, 54, 55]
+    assert dytc._decision.ngram == 3
+    clock.now += 0.01
+    dytc.observe(proposal, proposal.num_tokens)
+    assert dytc.counters()["estimates"]["pld_acceptance"]["3"] > 0.6
+    with pytest.raises(InvalidArgumentError, match="at least one drafter"):
+        DyTCDrafter([], lookup=None)
+    with pytest.raises(InvalidArgumentError, match="distinct"):
+        DyTCDrafter([DraftOption("pld", FakeDrafter(clock, 0.0))])
+
+
+def dytc_for(model, adapter=None):
+    """A DyTC over hand-picked skip sets (no calibration), a nested cascade and optionally a draft adapter."""
+    from cats.draft import EarlyExitDrafter, TreeDrafter
+
+    bottom = PromptLookupDrafter(num_tokens=6)
+    dense = LayerSkipDrafter(model, SkipSet(attention=(2,), mlp=(1,)), num_tokens=6, assist=bottom)
+    sparse = LayerSkipDrafter(model, SkipSet(attention=(1, 2), mlp=(1, 2, 3)), num_tokens=6, assist=bottom)
+    nested = LayerSkipDrafter(model, SkipSet(attention=(2,), mlp=(1,)), num_tokens=6, assist=sparse)
+    options = [DraftOption(d.label, d, 6, 0.7, c) for d, c in ((dense, 0.7), (sparse, 0.4))]
+    options.append(DraftOption("nested", nested, 6, 0.8, 0.3))
+    if adapter is not None:
+        options.append(DraftOption("draft-adapter", EarlyExitDrafter(model, adapter=adapter, num_tokens=6), 6, 0.8, 0.4))
+        tree = TreeDrafter(model, adapter=adapter, tree_topk=2, total_tokens=6, depth=3)
+        options.append(DraftOption("draft-tree", tree, 6, 0.8, 0.3, tree=True))
+    return DyTCDrafter(options, lookup=PromptLookupDrafter(num_tokens=8), lookahead_tokens=3)
+
+
+def cycling(drafter: DyTCDrafter) -> DyTCDrafter:
+    """Replace the scheduler's choice by a fixed cycle over every option and lengths 1..6, so that every branch runs
+    (the look-ahead is still attached by the scheduler's own rule)."""
+    keys = ["none", "pld"] + list(drafter.options)
+    steps = itertools.count()
+
+    def plan(max_tokens, lookup_tokens=0, ngram=0):
+        i = next(steps)
+        key, k = keys[i % len(keys)], 1 + (i // len(keys)) % 6
+        if key == "pld":
+            k = min(k, lookup_tokens)
+        k = min(k, max_tokens)
+        return ("none", 0) if key == "none" or k == 0 else (key, k)
+
+    drafter.plan = plan
+    return drafter
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dytc_equals_greedy(family):
+    from cats.draft.adapter import new_adapter
+
+    model = tiny_model(family, damp=0.1)
+    torch.manual_seed(0)
+    adapter = new_adapter(model, "draft", 2)
+    g = torch.Generator().manual_seed(5)
+    for prompt in (torch.randint(3, VOCAB, (9,), generator=g).tolist(), torch.randint(3, VOCAB, (6,), generator=g).tolist() * 3):
+        expected = hf_greedy(model, prompt, 40)
+        for drafter in (dytc_for(model), cycling(dytc_for(model)), cycling(dytc_for(model, adapter=adapter))):
+            result = Generator(model, drafter).generate(prompt, GenerationConfig(max_new_tokens=40))
+            assert result.token_ids == expected, (family, drafter.counters()["choices"])
+            assert result.stats.scheduler["choices"] == drafter.counters()["choices"]
+
+
+def test_every_option_and_the_lookahead_get_used():
+    """The lossless test above must exercise every branch: each drafter, prompt lookup and attached look-aheads."""
+    from cats.draft.adapter import new_adapter
+
+    model = tiny_model("llama", damp=0.1)
+    torch.manual_seed(0)
+    drafter = cycling(dytc_for(model, adapter=new_adapter(model, "draft", 2)))
+    prompt = torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(5)).tolist() * 3
+    stats = Generator(model, drafter).generate(prompt, GenerationConfig(max_new_tokens=120, ignore_eos=True)).stats
+    choices = stats.scheduler["choices"]
+    assert all(choices[key] > 0 for key in choices if key != "none"), choices
+    assert stats.scheduler["lookahead"]["steps"] > 0 and stats.accepted_draft_tokens > 0
+    assert "scheduler: chose" in stats.summary_line()
+
+
+def test_dytc_method_calibrates_once_and_reports(tmp_path, monkeypatch):
+    monkeypatch.setenv("CATS_CACHE", str(tmp_path))
+    model = tiny_model("llama", damp=0.1)
+    drafter = make_drafter("dytc", model, num_draft_tokens=5)
+    assert list(drafter.options) == ["ls0.4<pld", "ls0.6<pld", "ls0.4<ls0.6<pld"]
+    assert (tmp_path / "skip-sets").is_dir()
+    layer_skip = make_drafter("layer-skip", model, sparsity=0.6)
+    assert layer_skip.skip == drafter.options["ls0.6<pld"].drafter.skip and layer_skip.agreement is not None
+    prompt = [5, 6, 7, 8] * 4
+    result = Generator(model, drafter).generate(prompt, GenerationConfig(max_new_tokens=30))
+    assert result.token_ids == hf_greedy(model, prompt, 30)
+    from cats.draft.adapter import new_adapter
+
+    torch.manual_seed(0)
+    new_adapter(model, "draft", 2).save(tmp_path / "adapters" / "draft")
+    with_adapter = make_drafter("dytc", model, adapters=str(tmp_path / "adapters"), total_tokens=8, depth=3)
+    assert list(with_adapter.options)[-2:] == ["draft-adapter", "draft-tree"] and with_adapter.cache_layers == 1
+    result = Generator(model, with_adapter).generate(prompt, GenerationConfig(max_new_tokens=30))
+    assert result.token_ids == hf_greedy(model, prompt, 30)
+    with pytest.raises(InvalidArgumentError, match="--sparsity applies to layer-skip and dytc"):
+        make_drafter("pld", model, sparsity=0.4)
+    with pytest.raises(InvalidArgumentError, match="layer-skip takes one sparsity"):
+        make_drafter("layer-skip", model, sparsity=(0.4, 0.6))
+    with pytest.raises(InvalidArgumentError, match="--threshold does not apply to dytc"):
+        make_drafter("dytc", model, threshold=0.3)
+    with pytest.raises(InvalidArgumentError, match="--adapters does not apply to layer-skip"):
+        make_drafter("layer-skip", model, adapters="somewhere")
+
+
+def test_scheduler_counters_are_summed_in_bench_summaries():
+    from cats.bench.summary import scheduler_totals
+
+    def turn(none, pld, drafted, accepted, alpha):
+        return {"choices": {"none": none, "pld": pld}, "drafted": {"pld": drafted}, "accepted": {"pld": accepted},
+                "lookahead": {"steps": 0, "tokens": 0, "accepted": 0},
+                "estimates": {"acceptance": {}, "pld_acceptance": {"2": alpha}}}
+
+    answers = [{"choices": [{"scheduler": [turn(3, 1, 4, 2, 0.4)]}]},
+               {"choices": [{"scheduler": [turn(1, 3, 12, 3, 0.3)]}]}]
+    total = scheduler_totals(answers)
+    assert total["choices"] == {"none": 4, "pld": 4} and total["choice_share"] == {"none": 0.5, "pld": 0.5}
+    assert total["acceptance"] == {"pld": round(5 / 16, 4)} and total["estimates"]["pld_acceptance"] == {"2": 0.3}
+    assert scheduler_totals([{"choices": [{}]}]) is None
