@@ -98,7 +98,8 @@ def test_memory_needs_per_method(tmp_path):
     cats = memory_needs(config, dtype, "cats", adapters=str(tmp_path), total_tokens=8)
     block = sum(p.numel() for p in model.layers[0].parameters()) + 64  # decoder block + its norm
     draft_bytes = (block + 10 * 64) * 8 + 10 * 8  # the 10 lm_head rows of its vocabulary, and their ids
-    assert cats.min_resident_layers == 2 and cats.extra_cache_layers == 2 and cats.max_tree_tokens == 17
+    assert (cats.min_resident_layers, cats.shallow_layers) == (1, 2)  # draft layers resident, shallow ones if room
+    assert cats.extra_cache_layers == 2 and cats.max_tree_tokens == 17
     assert cats.adapter_bytes == draft_bytes + block * 8
 
 
@@ -110,3 +111,19 @@ def test_choose_bucket_from_io_and_compute():
     assert choose_bucket(0.3, tree_compute) == BUCKETS[2]
     chain_compute = {5: 0.02, 7: 0.03, 9: 0.5}
     assert choose_bucket(0.04, chain_compute, chain=True).num_draft_tokens == 6
+
+
+def test_the_budget_caps_the_tree_it_reserves():
+    from cats.memory.offload import memory_needs, plan_for
+    from cats.memory.speculation import BUCKETS
+
+    model = tiny_model("llama")
+    auto = lambda: memory_needs(model.config, torch.float64, "tree", context_tokens=32)  # noqa: E731
+    roomy = plan_for(model.hf_model, 1 << 40, auto())
+    assert roomy.needs.max_tree_tokens == BUCKETS[-1].total_tokens + 1
+    smallest = memory_needs(model.config, torch.float64, "tree", context_tokens=32,
+                            total_tokens=BUCKETS[0].total_tokens)
+    tight = plan_for(model.hf_model, plan_for(model.hf_model, 1 << 40, smallest).minimum, auto())
+    assert tight.needs.max_tree_tokens == BUCKETS[0].total_tokens + 1  # only the smallest bucket's activations fit
+    with pytest.raises(BudgetTooSmallError, match=f"activations \\({BUCKETS[0].total_tokens + 1}-token pass\\)"):
+        plan_for(model.hf_model, tight.minimum - 1, auto())

@@ -235,7 +235,7 @@ def run_generate(args) -> int:
                         draft_layer=args.draft_layer, num_draft_tokens=args.num_draft_tokens,
                         total_tokens=args.total_tokens, context_tokens=context,
                         prefetch=2 if args.prefetch is None else args.prefetch, offload_io=args.offload_io or "direct",
-                        tokenizer=tokenizer)
+                        tokenizer=tokenizer, prompt_tokens=len(prompt_ids))
         print(model.memory_plan.describe(), file=sys.stderr)
     generator = build_generator(args, model)
     streamer = TextStreamer(model.tokenizer) if model.tokenizer is not None else None

@@ -300,7 +300,7 @@ def generate(
         model = prepare(model, memory_budget, dtype=dtype, method=method, adapters=adapters, draft_layer=draft_layer,
                         num_draft_tokens=num_draft_tokens, total_tokens=total_tokens,
                         context_tokens=len(prompt_ids) + max_new_tokens, prefetch=prefetch, offload_io=offload_io,
-                        tokenizer=tokenizer)
+                        tokenizer=tokenizer, prompt_tokens=len(prompt_ids))
     elif isinstance(model, str):
         from cats.model import load_model
 

@@ -109,6 +109,7 @@ class BenchContext:
     memory_budget: str | None = None  # --memory-budget: every method runs under it
     dtype: str = "float32"
     context_tokens: int | None = None  # KV cache tokens the budgeted methods plan for
+    prompt_tokens: int | None = None  # the longest prompt (its prefill's activations)
 
 
 class BenchMethod(ABC):
@@ -264,7 +265,8 @@ class HfOffloadMethod(HfGenerateMethod):
         config = AutoConfig.from_pretrained(folder)
         skeleton = build_skeleton(config, dtype)
         budget = parse_budget(context.memory_budget, PartSizes.of(skeleton).weights)
-        needs = memory_needs(config, dtype, "ar", context_tokens=context.context_tokens)
+        needs = memory_needs(config, dtype, "ar", context_tokens=context.context_tokens,
+                             prompt_tokens=context.prompt_tokens)
         plan = plan_for(skeleton, max(budget, 10**15), needs)  # the same KV cache and activation estimates as ar
         self.max_memory = budget - plan.kv_bytes - plan.activation_bytes
         if self.max_memory <= 0:

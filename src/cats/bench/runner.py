@@ -152,7 +152,8 @@ def run_bench(config: BenchConfig) -> dict:
                             else "one process, RSS sampled while each method ran (shared weights included)"),
     }
     if memory:
-        run.update(context_tokens=memory["context_tokens"], prefetch=config.prefetch, offload_io=config.offload_io)
+        run.update(context_tokens=memory["context_tokens"], prompt_tokens=memory["prompt_tokens"],
+                   prefetch=config.prefetch, offload_io=config.offload_io)
     summary = summarize(answers, run, peak_rss_mb=peaks, settings=settings, skipped=skipped,
                         memory=memory.get("methods"))
     write_plots(summary, answers, out)
@@ -220,9 +221,10 @@ def run_in_process(config: BenchConfig, questions: list[Question], out: Path, mo
     return answers, peaks, {name: method.describe() for name, method in methods.items()}, skipped
 
 
-def context_tokens(tokenizer, questions: list[Question], config: BenchConfig) -> int:
-    """KV cache tokens a budgeted run plans for: the longest conversation's last prompt (earlier answers counted as
-    ``max_new_tokens`` tokens each, plus 16 for their chat markup) plus ``max_new_tokens``."""
+def context_tokens(tokenizer, questions: list[Question], config: BenchConfig) -> tuple[int, int]:
+    """``(context, prompt)`` tokens a budgeted run plans for: the longest prompt (of a later turn: with the earlier
+    answers counted as ``max_new_tokens`` tokens each, plus 16 for their chat markup), and that plus
+    ``max_new_tokens`` for the KV cache."""
     longest = 0
     for question in questions:
         conversation = Conversation(tokenizer, config.prompt_format)
@@ -230,8 +232,8 @@ def context_tokens(tokenizer, questions: list[Question], config: BenchConfig) ->
         for turn in turns:
             prompt_ids = conversation.prompt_ids(turn)
             conversation.add_answer(prompt_ids, [])
-        longest = max(longest, len(prompt_ids) + len(turns) * (config.max_new_tokens + 16))
-    return longest
+        longest = max(longest, len(prompt_ids) + (len(turns) - 1) * (config.max_new_tokens + 16))
+    return longest + config.max_new_tokens, longest
 
 
 def run_in_workers(config: BenchConfig, questions: list[Question], out: Path, model_id: str):
@@ -255,7 +257,7 @@ def run_in_workers(config: BenchConfig, questions: list[Question], out: Path, mo
     budget = parse_budget(config.memory_budget, PartSizes.of(skeleton).weights)
     store = checkpoint_store(folder, skeleton, dtype)
     del skeleton
-    context = context_tokens(tokenizer, questions, config)
+    context, prompt = context_tokens(tokenizer, questions, config)
     weight_files = sorted(Path(folder).glob("*.safetensors")) + sorted(store.folder.glob("*.safetensors"))
     answers, peaks, settings, skipped, measured = {}, {}, {}, {}, {}
     jobs = Path(tempfile.mkdtemp(prefix=".cats-bench-jobs-", dir=out))
@@ -268,6 +270,7 @@ def run_in_workers(config: BenchConfig, questions: list[Question], out: Path, mo
                 "model": config.model, "method": name, "dtype": config.dtype, "threads": config.settings.threads,
                 "settings": asdict(config.settings), "memory_budget": config.memory_budget,
                 "prefetch": config.prefetch, "offload_io": config.offload_io, "context_tokens": context,
+                "prompt_tokens": prompt,
                 "questions": [{"question_id": q.question_id, "category": q.category, "turns": list(q.turns)}
                               for q in questions],
                 "question_file": str(config.questions), "turns": config.turns,
@@ -302,7 +305,8 @@ def run_in_workers(config: BenchConfig, questions: list[Question], out: Path, mo
             finish_file(out / f"{name}.jsonl")
     finally:
         shutil.rmtree(jobs, ignore_errors=True)
-    memory = {"budget_mb": round(budget / MIB, 1), "context_tokens": context, "methods": measured}
+    memory = {"budget_mb": round(budget / MIB, 1), "context_tokens": context, "prompt_tokens": prompt,
+              "methods": measured}
     return answers, peaks, settings, skipped, memory
 
 

@@ -44,14 +44,15 @@ def run_job(job: dict) -> dict:
             model = prepare(source, job["memory_budget"], dtype=job["dtype"], method=name, adapters=settings.adapters,
                             draft_layer=settings.draft_layer, num_draft_tokens=settings.num_draft_tokens,
                             total_tokens=settings.total_tokens, context_tokens=job["context_tokens"],
-                            prefetch=job["prefetch"], offload_io=job["offload_io"])
+                            prompt_tokens=job.get("prompt_tokens"), prefetch=job["prefetch"],
+                            offload_io=job["offload_io"])
             tokenizer = model.tokenizer  # one tokenizer in the process, as in the runtime baseline
             if job.get("progress") and model.memory_plan is not None:
                 print(model.memory_plan.describe(), file=sys.stderr, flush=True)
         else:  # hf-offload loads its model without one; first, as the runtime baseline does
             tokenizer = load_tokenizer(source)
         context = BenchContext(model, source, settings, memory_budget=job["memory_budget"], dtype=job["dtype"],
-                               context_tokens=job["context_tokens"])
+                               context_tokens=job["context_tokens"], prompt_tokens=job.get("prompt_tokens"))
         method = make_method(name, context)
     except (MethodUnavailableError, CatsError) as error:
         return {"skipped": str(error)}

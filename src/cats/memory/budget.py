@@ -115,10 +115,14 @@ class MemoryNeeds:
     """What must fit besides the weights the planner chooses; see the module docstring."""
 
     context_tokens: int = DEFAULT_CONTEXT_TOKENS  # KV cache reservation: prompt + new tokens (+ the tree in flight)
-    min_resident_layers: int = 0  # L_sv: layers [0, L_sv) that every draft step runs stay resident
+    prompt_tokens: int | None = None  # the longest prompt (its prefill's activations); None: context_tokens
+    min_resident_layers: int = 0  # layers [0, L_d) that every draft step runs stay resident
+    shallow_layers: int = 0  # L_sv of the cascade: kept resident when they fit, else they stream (see describe)
     adapter_bytes: int = 0  # draft / shallow adapters, with their reduced-vocabulary head rows
     max_tree_tokens: int = 1  # tokens verified in one pass (activations are reserved for this many)
     extra_cache_layers: int = 0  # adapters' own KV-cache layers
+    speculation: str | None = None  # "chain", "tree" or "cascade" when the draft size is left to the budget: the plan
+    # then reserves the largest speculation bucket that fits (max_tree_tokens), and the drafter picks among those
     prefetch: int = DEFAULT_PREFETCH  # streamed layers read ahead of the one computing
 
     def validate(self, num_layers: int) -> None:
@@ -130,6 +134,8 @@ class MemoryNeeds:
             raise InvalidArgumentError(f"prefetch must not be negative, got {self.prefetch}")
         if self.max_tree_tokens < 1:
             raise InvalidArgumentError(f"max_tree_tokens must be at least 1, got {self.max_tree_tokens}")
+        if self.prompt_tokens is not None and not 1 <= self.prompt_tokens <= self.context_tokens:
+            raise InvalidArgumentError(f"prompt_tokens must lie in [1, context_tokens], got {self.prompt_tokens}")
 
 
 def _head_dim(config) -> int:
@@ -232,6 +238,10 @@ class MemoryPlan:
                          f"verification pass, {self.needs.prefetch} layer(s) read ahead")
         else:
             lines.append("  every layer is resident: nothing streams")
+        if self.needs.shallow_layers > self.resident_layers:
+            lines.append(f"  the shallow verifier's layers [{self.resident_layers}, {self.needs.shallow_layers}) stream "
+                         f"too (keeping [0, {self.needs.shallow_layers}) needs a larger budget); the cascade then "
+                         "adds no correction branches, which would read them twice per pass")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:

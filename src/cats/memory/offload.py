@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from cats.errors import InvalidArgumentError
-from cats.memory.budget import (DEFAULT_CONTEXT_TOKENS, DEFAULT_PREFETCH, MemoryNeeds, MemoryPlan, PartSizes,
-                                activation_bytes, kv_cache_bytes, parse_budget, plan_memory)
+from cats.memory.budget import (DEFAULT_CONTEXT_TOKENS, DEFAULT_PREFETCH, BudgetTooSmallError, MemoryNeeds,
+                                MemoryPlan, PartSizes, activation_bytes, kv_cache_bytes, parse_budget, plan_memory)
 from cats.memory.rss import bound_heap
 from cats.memory.store import (Checkpoint, LayerStore, ensure_store, model_source, part_modules,
                                read_part, tied_aliases, write_from_checkpoint, write_from_model)
@@ -29,14 +29,34 @@ from cats.model.identity import fingerprint_of, fingerprint_rows, model_fingerpr
 
 
 def plan_for(hf_model, budget: str | int, needs: MemoryNeeds) -> MemoryPlan:
-    """The plan for ``hf_model`` (real or meta parameters) under ``budget`` (bytes, ``300MiB`` or ``50%``)."""
+    """The plan for ``hf_model`` (real or meta parameters) under ``budget`` (bytes, ``300MiB`` or ``50%``).
+
+    When the draft size is left to the budget (``needs.speculation``), the largest speculation bucket whose
+    activations still fit is reserved (``needs.max_tree_tokens`` is set to it); the error for a budget too small
+    names the minimum with the smallest bucket."""
+    if needs.speculation is None:
+        return _plan(hf_model, budget, needs)
+    from cats.memory.speculation import BUCKETS, pass_tokens
+
+    error = None
+    for bucket in reversed(BUCKETS):
+        needs.max_tree_tokens = pass_tokens(bucket, needs.speculation)
+        try:
+            return _plan(hf_model, budget, needs)
+        except BudgetTooSmallError as too_small:
+            error = too_small
+    raise error
+
+
+def _plan(hf_model, budget: str | int, needs: MemoryNeeds) -> MemoryPlan:
     config = hf_model.config
     parts = PartSizes.of(hf_model)
     itemsize = hf_model.model.embed_tokens.weight.element_size()
     kv = kv_cache_bytes(config, itemsize, needs.context_tokens + needs.max_tree_tokens, needs.extra_cache_layers)
     # a decode pass over the largest tree (logits for every node), or the prefill (logits for one row)
+    prompt = needs.prompt_tokens or needs.context_tokens
     activation = max(activation_bytes(config, itemsize, needs.max_tree_tokens, needs.context_tokens),
-                     activation_bytes(config, itemsize, needs.context_tokens, 0, logit_rows=1))
+                     activation_bytes(config, itemsize, prompt, 0, logit_rows=1))
     return plan_memory(parse_budget(budget, parts.weights), parts, needs, kv, activation)
 
 
@@ -173,24 +193,30 @@ def _numel(shape) -> int:
 
 def memory_needs(config, dtype: torch.dtype, method: str = "ar", adapters: str | None = None,
                  draft_layer: int | None = None, num_draft_tokens: int | None = None, total_tokens: int | None = None,
-                 context_tokens: int | None = None, prefetch: int = DEFAULT_PREFETCH) -> MemoryNeeds:
-    """What ``method`` needs resident besides the weights: the layers every draft step runs (``[0, L_d)``, or
-    ``[0, L_sv)`` for the cascade), its adapters, and the largest pass it verifies (the largest speculation bucket
-    when the tree size is left to the budget)."""
+                 context_tokens: int | None = None, prefetch: int = DEFAULT_PREFETCH,
+                 prompt_tokens: int | None = None) -> MemoryNeeds:
+    """What ``method`` needs resident besides the weights: the layers every draft step runs (``[0, L_d)``; all of
+    them for layer-skip and dytc), its adapters, and the largest pass it verifies (the largest speculation bucket
+    when the tree size is left to the budget). The cascade's shallow layers ``[L_d, L_sv)`` run once per pass: they
+    stay resident when the budget allows (as many layers as fit always do) and stream otherwise."""
     from cats.draft import check_method
     from cats.draft.adapter import find_adapter
-    from cats.memory.speculation import BUCKETS
+    from cats.memory.speculation import BUCKETS, pass_tokens
 
     check_method(method)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     context = int(getattr(config, "max_position_embeddings", 0) or DEFAULT_CONTEXT_TOKENS)
-    needs = MemoryNeeds(context_tokens=context_tokens or min(DEFAULT_CONTEXT_TOKENS, context), prefetch=prefetch)
+    needs = MemoryNeeds(context_tokens=context_tokens or min(DEFAULT_CONTEXT_TOKENS, context), prefetch=prefetch,
+                        prompt_tokens=prompt_tokens)
     layers, extra, resident = [], 0, 0
     if adapters is not None and method not in ("ar", "pld"):
         roles = ("draft", "shallow") if method == "cats" else ("draft",)
         for role in roles:
             layer, size = adapter_bytes(find_adapter(adapters, role), config.hidden_size, itemsize)
-            layers.append(layer)
+            if role == "draft":
+                layers.append(layer)
+            else:
+                needs.shallow_layers = layer
             resident += size
             extra += 1
     if method in ("layer-skip", "dytc"):  # they draft through every layer: all of them must stay resident
@@ -199,13 +225,16 @@ def memory_needs(config, dtype: torch.dtype, method: str = "ar", adapters: str |
         layers.append(draft_layer if draft_layer is not None else max(1, config.num_hidden_layers // 8))
     needs.min_resident_layers = min(max(layers, default=0), config.num_hidden_layers)
     needs.adapter_bytes, needs.extra_cache_layers = resident, extra
+    kind = "chain" if method == "early-exit" else "cascade" if method == "cats" else "tree"
     if method == "pld":
         needs.max_tree_tokens = (num_draft_tokens or 10) + 1
-    elif method == "early-exit":
-        needs.max_tree_tokens = (num_draft_tokens or max(b.num_draft_tokens for b in BUCKETS)) + 1
-    elif method in ("tree", "cats-no-shallow", "cats", "dytc"):
-        nodes = total_tokens or max(b.total_tokens for b in BUCKETS)
-        needs.max_tree_tokens = (2 * nodes if method == "cats" else nodes) + 1  # the cascade may add corrections
+    elif method == "early-exit" and num_draft_tokens is not None:
+        needs.max_tree_tokens = num_draft_tokens + 1
+    elif method in ("tree", "cats-no-shallow", "cats", "dytc") and total_tokens is not None:
+        needs.max_tree_tokens = (2 * total_tokens if method == "cats" else total_tokens) + 1  # cats: + corrections
+    elif method in ("early-exit", "tree", "cats-no-shallow", "cats", "dytc"):
+        needs.speculation = kind  # left to the budget: plan_for reserves the largest bucket that fits
+        needs.max_tree_tokens = max(pass_tokens(bucket, kind) for bucket in BUCKETS)
     return needs
 
 
@@ -223,7 +252,7 @@ def check_resident(model, layers: int, what: str) -> None:
 def prepare(model, memory_budget: str | int, *, dtype="float32", method: str = "ar", adapters: str | None = None,
             draft_layer: int | None = None, num_draft_tokens: int | None = None, total_tokens: int | None = None,
             context_tokens: int | None = None, prefetch: int = DEFAULT_PREFETCH, offload_io: str = "direct",
-            layer_store: str | Path | None = None, tokenizer=None):
+            layer_store: str | Path | None = None, tokenizer=None, prompt_tokens: int | None = None):
     """``model`` (a path or Hub id to load, or a `LayeredModel` in memory) ready to run ``method`` under
     ``memory_budget``, with the method's needs (`memory_needs`) in the plan. A model already under the same budget
     is returned as it is. ``tokenizer``: the model's tokenizer if already loaded (not loaded twice)."""
@@ -241,7 +270,7 @@ def prepare(model, memory_budget: str | int, *, dtype="float32", method: str = "
         config = AutoConfig.from_pretrained(_local_folder(str(model)))
     needs = memory_needs(config, torch_dtype, method, adapters=adapters, draft_layer=draft_layer,
                          num_draft_tokens=num_draft_tokens, total_tokens=total_tokens, context_tokens=context_tokens,
-                         prefetch=prefetch)
+                         prefetch=prefetch, prompt_tokens=prompt_tokens)
     if not isinstance(model, LayeredModel):
         return load_model(model, dtype=torch_dtype, memory_budget=memory_budget, memory_needs=needs,
                           offload_io=offload_io, layer_store=layer_store, tokenizer=tokenizer)
