@@ -4,6 +4,8 @@ the streamed parameters are not kept between uses, and the page cache does not k
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -66,6 +68,9 @@ def test_every_method_is_lossless_while_streaming(family, prompt_indices, tmp_pa
     adapters = tmp_path / "adapters"
     new_adapter(model, "draft", 1).save(adapters / "draft")
     new_adapter(model, "shallow", 2).save(adapters / "shallow")
+    deep_shallow = tmp_path / "deep-shallow"
+    shutil.copytree(adapters / "draft", deep_shallow / "draft")
+    new_adapter(model, "shallow", 4).save(deep_shallow / "shallow")
     assert offload(model, 2, MemoryNeeds(context_tokens=64, min_resident_layers=2, max_tree_tokens=33,
                                          prefetch=1)).pool_slots == 2
     assert all(p.device.type == "meta" for layer in model.layers[2:] for p in layer.parameters())
@@ -83,6 +88,15 @@ def test_every_method_is_lossless_while_streaming(family, prompt_indices, tmp_pa
             assert counts["out_of_order"] == 0 and counts["streamed_layers"] == [2, LAYERS]
             assert counts["layers_read"] >= counts["acquires"] - 2  # at most the pool was read before it began
     assert all(p.device.type == "meta" for layer in model.layers[2:] for p in layer.parameters()), "dropped again"
+    # a shallow verifier above the resident layers: [2, 4) stream in the same sweep, the cascade only prunes
+    drafter = make_drafter("cats", model, adapters=str(deep_shallow), total_tokens=8)
+    scorer = make_scorer("cats", model, drafter, str(deep_shallow))
+    assert scorer.corrections is False
+    for prompt, reference in zip(chosen, expected):
+        result = Generator(model, drafter, method="cats", scorer=scorer).generate(
+            prompt, GenerationConfig(max_new_tokens=NEW_TOKENS))
+        assert result.token_ids == reference, f"{family} cats with streamed shallow layers"
+        assert result.stats.offload["out_of_order"] == 0  # one sweep per pass
     model.close()
 
 
