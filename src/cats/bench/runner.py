@@ -5,8 +5,8 @@ report and plots.
 Under ``--memory-budget`` every method runs alone in its own process (`cats.bench.worker`), one after the other,
 with its page cache dropped first: a method's peak RSS is then its own (in one process the methods would share, and
 count, each other's memory), and no method reads weights the previous one left in the page cache. The layer store
-is made once before the first worker. The runtime baseline (a fresh process with torch, transformers, CATS, the
-tokenizer and a weightless model skeleton) is measured in every run.
+is made once before the first worker, and the runtime baseline (a fresh process with torch, transformers, CATS, the
+tokenizer and a weightless model skeleton) is measured first.
 
 Output files appear only when complete: answers go to ``<method>.jsonl.partial`` and are renamed at the end; the
 summary, report and plots are written to temporary names and renamed; outputs of an earlier run that this run
@@ -135,7 +135,8 @@ def run_bench(config: BenchConfig) -> dict:
     threads = torch.get_num_threads()
     config.settings.threads = threads
     model_id = f"{Path(config.model).name or config.model}-{config.dtype}"
-    baseline = runtime_baseline(config.model, threads)
+    # measured under a budget only (a fresh process costs seconds): that is where the bound uses it
+    baseline = runtime_baseline(config.model, threads) if config.memory_budget is not None else {"peak_rss_mb": None}
     if config.memory_budget is None:
         answers, peaks, settings, skipped = run_in_process(config, questions, out, model_id)
         memory = {}
