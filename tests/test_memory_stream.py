@@ -224,3 +224,21 @@ def test_cli_prints_the_plan_and_streaming_stats(capsys):
     assert "below the minimum of" in capsys.readouterr().err
     assert main(args + ["--prefetch", "1"]) == 2
     assert "--prefetch applies with --memory-budget only" in capsys.readouterr().err
+
+
+def test_generate_api_under_a_budget(tmp_path):
+    import cats
+    from cats.memory import memory_needs
+
+    model = deep_model("llama")
+    folder = tmp_path / "model"
+    model.hf_model.save_pretrained(folder)
+    prompt = prompts()[1]
+    expected = hf_greedy(model, prompt, 12)
+    needs = memory_needs(model.config, torch.float64, "tree", draft_layer=1, context_tokens=len(prompt) + 12,
+                         prompt_tokens=len(prompt))
+    budget = plan_for(model.hf_model, 1 << 40, needs).with_resident(2).planned_bytes
+    result = cats.generate(str(folder), prompt, method="tree", draft_layer=1, max_new_tokens=12, dtype="float64",
+                           memory_budget=budget)
+    assert result.token_ids == expected
+    assert result.stats.offload["streamed_layers"] == [2, LAYERS] and result.stats.peak_rss_mb > 0

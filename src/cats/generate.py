@@ -291,6 +291,7 @@ def generate(
     streamed layers dropped in place. The KV cache is planned for this prompt plus ``max_new_tokens``."""
     if memory_budget is not None and drafter is not None:
         raise InvalidArgumentError("memory_budget plans for a method; pass method=..., not a ready drafter")
+    loaded_here = isinstance(model, str)  # a model loaded here under a budget stops streaming when done
     if memory_budget is not None:
         from cats.memory.offload import prepare
         from cats.model.load import load_tokenizer
@@ -314,4 +315,8 @@ def generate(
     scorer = make_scorer(method, model, drafter, adapters, sv_threshold, sv_passes)
     config = GenerationConfig(max_new_tokens=max_new_tokens, stop=stop, eos_token_ids=eos_token_ids, ignore_eos=ignore_eos)
     prompt_ids = encode_prompt(model, prompt, chat=chat)
-    return Generator(model, drafter, method=method, scorer=scorer).generate(prompt_ids, config, on_tokens=on_tokens)
+    try:
+        return Generator(model, drafter, method=method, scorer=scorer).generate(prompt_ids, config, on_tokens=on_tokens)
+    finally:
+        if loaded_here:
+            model.close()
