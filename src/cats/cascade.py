@@ -391,4 +391,9 @@ def make_scorer(method: str, model: LayeredModel, drafter, adapters: str | None 
             raise InvalidArgumentError(f"--sv-passes is a setting of the cascade (method cats), not of {method!r}")
         return TargetScorer()
     shallow = load_adapter(find_adapter(adapters, "shallow"), model, role="shallow")
-    return CascadeScorer(model, shallow, drafter=drafter, sv_threshold=sv_threshold, sv_passes=sv_passes)
+    # under a memory budget that streams some of [0, L_sv), a correction branch would read them a second time per
+    # pass (out of access order): the cascade then only prunes (still lossless: corrections only add candidates)
+    plan = model.memory_plan
+    corrections = not (model.weights is not None and plan.resident_layers < shallow.config.layer)
+    return CascadeScorer(model, shallow, drafter=drafter, sv_threshold=sv_threshold, corrections=corrections,
+                         sv_passes=sv_passes)

@@ -43,15 +43,29 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tree-topk", type=integer, default=4, help="tree/cats: children per expanded node and "
-                        "nodes expanded per depth (1 = a chain)")
-    parser.add_argument("--total-tokens", type=integer, default=16, help="tree/cats: nodes kept for verification")
-    parser.add_argument("--depth", type=integer, default=5, help="tree/cats: maximum depth")
+    parser.add_argument("--tree-topk", type=integer, default=None, help="tree/cats: children per expanded node and "
+                        "nodes expanded per depth (1 = a chain; default 4, or chosen from the budget)")
+    parser.add_argument("--total-tokens", type=integer, default=None, help="tree/cats: nodes kept for verification "
+                        "(default 16, or chosen from the budget)")
+    parser.add_argument("--depth", type=integer, default=None, help="tree/cats: maximum depth (default 5, or chosen "
+                        "from the budget)")
     parser.add_argument("--sv-threshold", type=float, default=0.2,
                         help="cats: the shallow verifier prunes nodes it gives a probability below this")
     parser.add_argument("--sv-passes", type=integer, default=1,
                         help="cats: shallow passes per deep pass; each extra one redrafts a chain from the shallow "
                         "verifier's own choice at the end of the path it accepts (default 1)")
+
+
+def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--memory-budget", default=None, metavar="BYTES|PERCENT",
+                        help="run under a memory budget (e.g. 300MiB, 1.5GB, 50%% of the weight bytes): embeddings, "
+                        "lm_head, the draft layers, adapters, KV cache and activations stay resident, the deep layers "
+                        "stream from a per-layer store in $CATS_CACHE/layers (see docs/memory.md)")
+    parser.add_argument("--prefetch", type=integer, default=None,
+                        help="with --memory-budget: streamed layers read ahead of the one computing (default 2)")
+    parser.add_argument("--offload-io", choices=("direct", "buffered"), default=None,
+                        help="with --memory-budget: O_DIRECT reads (default) or buffered reads dropped from the page "
+                        "cache after each layer")
 
 
 def sparsities(text: str) -> tuple[float, ...]:
@@ -141,6 +155,13 @@ def sampling_config(args) -> dict:
                 acceptance=args.acceptance, typical_tau=args.typical_tau, typical_alpha=args.typical_alpha)
 
 
+def check_memory_flags(args) -> None:
+    """The offload flags mean nothing without --memory-budget: refuse them rather than ignore them."""
+    for flag in ("max_context", "prefetch", "offload_io"):
+        if getattr(args, flag, None) is not None:
+            raise InvalidArgumentError(f"--{flag.replace('_', '-')} applies with --memory-budget only")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cats", description="CATS: lossless self-speculative decoding")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -152,10 +173,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default=None, help="system message, with --chat")
     add_method_arguments(gen)
     add_sampling_arguments(gen)
+    add_memory_arguments(gen)
+    gen.add_argument("--max-context", type=integer, default=None, help="with --memory-budget: tokens of KV cache to "
+                     "plan for (default: the prompt plus --max-new-tokens)")
     gen.add_argument("--max-new-tokens", type=integer, default=128)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
-    gen.add_argument("--stats", action="store_true", help="print generation statistics to stderr")
+    gen.add_argument("--stats", action="store_true", help="print generation statistics to stderr (with "
+                     "--memory-budget: layer streaming counters and peak RSS)")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, "
                      "prompt_token_ids, stats) as the last stdout line")
     gen.set_defaults(run=run_generate)
@@ -220,11 +245,29 @@ def run_generate(args) -> int:
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
                               **sampling_config(args))
     config.validate()  # fail on bad arguments before the model loads
-    if method_from_args(args) == "ar" and config.acceptance == "typical":
+    method = method_from_args(args)
+    if method == "ar" and config.acceptance == "typical":
         raise InvalidArgumentError(TYPICAL_NEEDS_DRAFTS)
-    model = cats.load(args.model or default_model(), dtype=args.dtype)
+    source = args.model or default_model()
+    if args.memory_budget is None:
+        check_memory_flags(args)
+        model = cats.load(source, dtype=args.dtype)
+        prompt_ids = encode_prompt(model, prompt, chat=args.chat, system=args.system)
+    else:
+        from cats.generate import encode_with
+        from cats.memory.offload import prepare
+        from cats.model.load import load_tokenizer
+
+        tokenizer = load_tokenizer(source)
+        prompt_ids = encode_with(tokenizer, source, prompt, chat=args.chat, system=args.system)
+        context = args.max_context or len(prompt_ids) + args.max_new_tokens
+        model = prepare(source, args.memory_budget, dtype=args.dtype, method=method, adapters=args.adapters,
+                        draft_layer=args.draft_layer, num_draft_tokens=args.num_draft_tokens,
+                        total_tokens=args.total_tokens, context_tokens=context,
+                        prefetch=2 if args.prefetch is None else args.prefetch, offload_io=args.offload_io or "direct",
+                        tokenizer=tokenizer, prompt_tokens=len(prompt_ids))
+        print(model.memory_plan.describe(), file=sys.stderr)
     generator = build_generator(args, model)
-    prompt_ids = encode_prompt(model, prompt, chat=args.chat, system=args.system)
     streamer = TextStreamer(model.tokenizer) if model.tokenizer is not None else None
     result = generator.generate(prompt_ids, config, on_tokens=streamer)
     if streamer is not None:

@@ -92,6 +92,13 @@ class Generator:
                 f"prompt has {len(prompt_ids)} tokens but the model's context window is {model.context_length}; "
                 "shorten the prompt"
             )
+        plan = model.memory_plan
+        if plan is not None and len(prompt_ids) + config.max_new_tokens > plan.needs.context_tokens:
+            raise InvalidArgumentError(
+                f"the memory plan reserved KV cache for {plan.needs.context_tokens} tokens, but the prompt "
+                f"({len(prompt_ids)}) plus max_new_tokens ({config.max_new_tokens}) need more; load the model with "
+                "a larger context (MemoryNeeds.context_tokens, --max-context)")
+        streamed_before = model.weights.snapshot() if model.weights is not None else None
         eos = set() if config.ignore_eos else (config.eos_token_ids if config.eos_token_ids is not None else model.eos_token_ids)
         stop_check = _StopStrings(model.tokenizer, config.stop) if config.stop else None
         acceptance = self.acceptance or make_acceptance(config.acceptance, config.temperature, config.typical_tau,
@@ -152,6 +159,9 @@ class Generator:
         stats.shallow = self.scorer.counters()
         stats.scheduler = self.drafter.counters() if self.drafter is not None else None
         stats.wall_s = time.perf_counter() - start
+        if streamed_before is not None:
+            stats.offload = offload_counters(model, streamed_before)
+        stats.peak_rss_mb = _peak_rss_mb()
 
     def _prefill(self, state: DecodeState) -> torch.Tensor:
         """Run the prompt through all layers (stopping at the layers whose states the drafter wants) and return
@@ -202,6 +212,24 @@ class Generator:
         return GenerationResult(new_tokens, [int(t) for t in prompt_ids], text, stats)
 
 
+def offload_counters(model: LayeredModel, before) -> dict:
+    """The streamer's counters since ``before``, with what streamed and how."""
+    from cats.memory.rss import page_cache_bytes
+
+    weights = model.weights
+    counters = weights.snapshot().minus(before).to_dict()
+    counters.update(streamed_layers=[weights.first, weights.num_layers], io=weights.io,
+                    store_page_cache_mb=round(page_cache_bytes(weights.store_files()) / 2**20, 2))
+    return counters
+
+
+def _peak_rss_mb() -> float | None:
+    from cats.memory.rss import peak_rss_bytes
+
+    peak = peak_rss_bytes()
+    return round(peak / 2**20, 1) if peak is not None else None
+
+
 class _StopStrings:
     """Finds the first token at which the decoded output contains a stop string."""
 
@@ -223,25 +251,33 @@ class _StopStrings:
 
 def encode_prompt(model: LayeredModel, prompt: str | Sequence[int], chat: bool = False, system: str | None = None) -> list[int]:
     """Token ids of a prompt: ids pass through; text is tokenized, as one user message with ``chat=True``."""
+    return encode_with(model.tokenizer, model.name, prompt, chat, system)
+
+
+def encode_with(tokenizer, name: str, prompt: str | Sequence[int], chat: bool = False, system: str | None = None) -> list[int]:
+    """`encode_prompt` with a tokenizer alone (e.g. before a model is loaded under a memory budget)."""
     if not isinstance(prompt, str):
         return [int(t) for t in prompt]
-    tokenizer = model.tokenizer
     if tokenizer is None:
-        raise InvalidArgumentError(f"model {model.name!r} has no tokenizer: pass token ids instead of text")
+        raise InvalidArgumentError(f"model {name!r} has no tokenizer: pass token ids instead of text")
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        return encode_chat(model, messages)
+        return chat_ids(tokenizer, name, messages)
     return [int(t) for t in tokenizer(prompt)["input_ids"]]
 
 
 def encode_chat(model: LayeredModel, messages: Sequence[dict]) -> list[int]:
     """Token ids of a conversation (``[{"role": ..., "content": ...}, ...]``) through the model's chat template,
     ending with the prompt for the assistant's next message."""
-    tokenizer = model.tokenizer
+    return chat_ids(model.tokenizer, model.name, messages)
+
+
+def chat_ids(tokenizer, name: str, messages: Sequence[dict]) -> list[int]:
+    """`encode_chat` with a tokenizer alone."""
     if tokenizer is None:
-        raise InvalidArgumentError(f"model {model.name!r} has no tokenizer: pass token ids instead of text")
+        raise InvalidArgumentError(f"model {name!r} has no tokenizer: pass token ids instead of text")
     if not getattr(tokenizer, "chat_template", None):
-        raise InvalidArgumentError(f"model {model.name!r} has no chat template; drop --chat")
+        raise InvalidArgumentError(f"model {name!r} has no chat template; drop --chat")
     ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False)
     return [int(t) for t in ids]
 
@@ -258,9 +294,9 @@ def generate(
     max_ngram: int = 3,
     adapters: str | None = None,
     threshold: float = 0.0,
-    tree_topk: int = 4,
-    total_tokens: int = 16,
-    depth: int = 5,
+    tree_topk: int | None = None,
+    total_tokens: int | None = None,
+    depth: int | None = None,
     sparsity: float | Sequence[float] | None = None,
     sv_threshold: float = 0.2,
     sv_passes: int = 1,
@@ -277,6 +313,9 @@ def generate(
     typical_alpha: float | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
     dtype: str = "float32",
+    memory_budget: str | int | None = None,
+    offload_io: str = "direct",
+    prefetch: int = 2,
 ) -> GenerationResult:
     """Generate from ``prompt`` with ``method`` (``ar``, ``pld``, ``early-exit``, ``tree``, ``cats``,
     ``cats-no-shallow``, ``layer-skip``, ``dytc``) or a ready ``drafter``.
@@ -284,12 +323,29 @@ def generate(
     ``model`` is a `LayeredModel` or anything `cats.load` accepts (then loaded with ``dtype``).
     ``temperature`` 0 decodes greedily; above 0 samples (with ``top_p``, ``top_k``, ``seed``), and every method
     keeps plain sampling's distribution. ``acceptance="typical"`` (with ``typical_tau``, ``typical_alpha``) is
-    Medusa's lossy typical acceptance, see `cats.acceptance.TypicalAcceptance`."""
+    Medusa's lossy typical acceptance, see `cats.acceptance.TypicalAcceptance`.
+
+    ``memory_budget`` (bytes, ``"300MiB"``, ``"50%"`` of the weight bytes): run under a memory budget, streaming the
+    deep layers from a layer store (see docs/memory.md); a path is loaded under it, a model in memory has its
+    streamed layers dropped in place. The KV cache is planned for this prompt plus ``max_new_tokens``."""
     config = GenerationConfig(max_new_tokens=max_new_tokens, stop=stop, eos_token_ids=eos_token_ids,
                               ignore_eos=ignore_eos, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                               acceptance=acceptance, typical_tau=typical_tau, typical_alpha=typical_alpha)
     config.validate()  # before loading a model
-    if isinstance(model, str):
+    if memory_budget is not None and drafter is not None:
+        raise InvalidArgumentError("memory_budget plans for a method; pass method=..., not a ready drafter")
+    loaded_here = isinstance(model, str)  # a model loaded here under a budget stops streaming when done
+    if memory_budget is not None:
+        from cats.memory.offload import prepare
+        from cats.model.load import load_tokenizer
+
+        tokenizer = model.tokenizer if isinstance(model, LayeredModel) else load_tokenizer(model)
+        prompt_ids = encode_with(tokenizer, getattr(model, "name", str(model)), prompt, chat=chat)
+        model = prepare(model, memory_budget, dtype=dtype, method=method, adapters=adapters, draft_layer=draft_layer,
+                        num_draft_tokens=num_draft_tokens, total_tokens=total_tokens,
+                        context_tokens=len(prompt_ids) + max_new_tokens, prefetch=prefetch, offload_io=offload_io,
+                        tokenizer=tokenizer, prompt_tokens=len(prompt_ids))
+    elif isinstance(model, str):
         from cats.model import load_model
 
         model = load_model(model, dtype=dtype)
@@ -301,4 +357,8 @@ def generate(
         method = drafter.name
     scorer = make_scorer(method, model, drafter, adapters, sv_threshold, sv_passes)
     prompt_ids = encode_prompt(model, prompt, chat=chat)
-    return Generator(model, drafter, method=method, scorer=scorer).generate(prompt_ids, config, on_tokens=on_tokens)
+    try:
+        return Generator(model, drafter, method=method, scorer=scorer).generate(prompt_ids, config, on_tokens=on_tokens)
+    finally:
+        if loaded_here:
+            model.close()

@@ -29,6 +29,8 @@ class GenerationStats:
     stop_reason: str = ""
     shallow: dict | None = None  # the cascade's shallow-verifier counters (see cats.cascade), when it ran
     scheduler: dict | None = None  # the DyTC scheduler's decisions and estimates (see cats.draft.dytc), when it ran
+    offload: dict | None = None  # layer streaming under a memory budget (cats.memory.stream counters), when it ran
+    peak_rss_mb: float | None = None  # the process's peak resident memory so far (VmHWM), at the end
 
     def record_sampling(self, acceptance, sampler) -> None:
         """Record the acceptance rule (`cats.acceptance`) and the `cats.sampling.Sampler` of the generation."""
@@ -84,6 +86,11 @@ class GenerationStats:
                + (f", {self.shallow['redraft_passes']} redraft passes" if self.shallow.get("redraft_passes") else "")
                if self.shallow else "")
             + (f"; scheduler: {_scheduler_text(self.scheduler)}" if self.scheduler else "")
+            + (f"; offload: layers [{self.offload['streamed_layers'][0]}, {self.offload['streamed_layers'][1]}) "
+               f"streamed ({self.offload['io']}), read {self.offload['bytes_read'] / 2**20:.0f} MiB in "
+               f"{self.offload['read_s']:.2f} s, stalled {self.offload['stall_s']:.2f} s, "
+               f"{self.offload['hidden_fraction']:.0%} of reads hidden behind compute" if self.offload else "")
+            + (f"; peak RSS {self.peak_rss_mb:.0f} MiB" if self.peak_rss_mb is not None else "")
         )
 
     def _typical(self) -> str:

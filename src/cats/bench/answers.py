@@ -53,6 +53,16 @@ class AnswerWriter:
         """Close without renaming: the ``.partial`` file stays, visibly incomplete."""
         self.handle.close()
 
+    def close(self) -> None:
+        """Close without renaming, for a writer in a worker process whose parent renames the file (`finish_file`)."""
+        self.handle.close()
+
+
+def finish_file(path: Path) -> None:
+    """Rename ``path.partial`` (written and closed by a worker) to ``path``."""
+    path = Path(path)
+    os.replace(path.with_name(path.name + PARTIAL_SUFFIX), path)
+
 
 def read_answers(path: str | Path) -> list[dict]:
     """The answers of a Spec-Bench-format file; errors name the file and line."""

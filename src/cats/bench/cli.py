@@ -15,7 +15,8 @@ def add_bench_parser(subparsers) -> None:
     from cats.bench.methods import known_methods
     from cats.bench.prompts import PROMPT_FORMATS
     from cats.bench.runner import TURN_MODES
-    from cats.cli import add_model_arguments, add_sampling_arguments, add_sparsity_argument, add_tree_arguments, integer
+    from cats.cli import (add_memory_arguments, add_model_arguments, add_sampling_arguments, add_sparsity_argument,
+                          add_tree_arguments, integer)
 
     bench = subparsers.add_parser(
         "bench", help="benchmark methods and baselines on Spec-Bench / MT-Bench questions",
@@ -50,6 +51,7 @@ def add_bench_parser(subparsers) -> None:
     bench.add_argument("--threshold", type=float, default=0.0, help="confidence stop of CATS early-exit, tree and layer-skip")
     add_tree_arguments(bench)
     add_sparsity_argument(bench)
+    add_memory_arguments(bench)
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(run=run_bench_command)
 
@@ -63,11 +65,13 @@ def add_bench_parser(subparsers) -> None:
 def run_bench_command(args: argparse.Namespace) -> int:
     from cats.bench.methods import MethodSettings, SamplingSettings, parse_methods
     from cats.bench.runner import BenchConfig, run_bench
-    from cats.cli import default_model
+    from cats.cli import check_memory_flags, default_model
 
     for flag, value in (("--questions", args.questions), ("--out", args.out)):
         if value is None:
             raise InvalidArgumentError(f"cats bench needs {flag}")
+    if args.memory_budget is None:
+        check_memory_flags(args)
     config = BenchConfig(
         model=args.model or default_model(), questions=args.questions, out=args.out,
         methods=parse_methods(args.methods), max_new_tokens=args.max_new_tokens, dtype=args.dtype,
@@ -80,7 +84,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
                                 sampling=SamplingSettings(args.temperature, args.top_p, args.top_k, args.acceptance,
                                                           args.typical_tau, args.typical_alpha)),
         seed=args.seed,
-        progress=not args.no_progress,
+        progress=not args.no_progress, memory_budget=args.memory_budget,
+        prefetch=2 if args.prefetch is None else args.prefetch, offload_io=args.offload_io or "direct",
     )
     config.validate()  # before the model loads
     summary = run_bench(config)
@@ -93,6 +98,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
               f"acceptance: {method['acceptance']}, failures {method['failures']}")
     for name, reason in summary["skipped"].items():
         print(f"{name:>16}: skipped ({reason})")
+    if summary.get("memory_budget"):
+        print(f"memory budget {summary['memory_budget']} = {summary['memory_budget_mb']:.1f} MiB, runtime baseline "
+              f"{summary['runtime_baseline_mb']:.1f} MiB; peak RSS: " + ", ".join(
+                  f"{name} {m['peak_rss_mb']:.0f} MiB" for name, m in summary["methods"].items()))
     print(f"wrote {args.out}/summary.json and report.md")
     return 0
 

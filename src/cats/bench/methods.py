@@ -7,6 +7,8 @@ tokens each target forward committed. The runner times it.
 * CATS methods (every name in `cats.draft.METHODS`: ``ar``, ``pld``, ``early-exit``, and each new one as it lands):
   `cats.generate.Generator` with the drafter from `cats.draft.make_drafter`.
 * ``hf-ar``, ``hf-pld``, ``hf-early-exit``: transformers ``generate`` on the same weights (``model.hf_model``).
+* ``hf-offload``: transformers + accelerate's own offloading under ``--memory-budget`` (``device_map="auto"``,
+  ``max_memory``, ``offload_folder``) with plain greedy ``generate``: what a user would reach for without CATS.
 * ``llama-cpp``, ``llama-cpp-pld``: llama-cpp-python (optional extra ``[baselines]``) on the GGUF file the model
   came from. llama.cpp computes with the quantised weights as stored (e.g. Q4_1 blocks), while CATS and
   transformers run the weights dequantised to float (``--dtype``), so its tokens may differ from theirs.
@@ -36,6 +38,9 @@ from cats.model import LayeredModel
 from cats.sampling import check_sampling
 
 HF_METHODS = ("hf-ar", "hf-pld", "hf-early-exit")
+OFFLOAD_METHODS = ("hf-offload",)
+UNBUDGETED = ("{name} holds the whole model in memory and cannot run under --memory-budget (hf-offload is "
+              "transformers' own offloading under the budget)")
 LLAMA_CPP_METHODS = ("llama-cpp", "llama-cpp-pld")
 DEFAULT_PLD_TOKENS = 10  # the defaults of `cats.draft.make_drafter`, used for the baselines' equivalents too
 DEFAULT_EARLY_EXIT_TOKENS = 4
@@ -48,7 +53,7 @@ LLAMA_CPP_WEIGHTS_NOTE = (
 
 
 def known_methods() -> tuple[str, ...]:
-    return tuple(CATS_METHODS) + HF_METHODS + LLAMA_CPP_METHODS
+    return tuple(CATS_METHODS) + HF_METHODS + OFFLOAD_METHODS + LLAMA_CPP_METHODS
 
 
 class MethodUnavailableError(CatsError):
@@ -78,6 +83,7 @@ class TurnResult:
     target_forwards: int
     shallow: dict | None = None  # the cascade's shallow-verifier counters for this turn (method cats)
     scheduler: dict | None = None  # the DyTC scheduler's decisions and estimates for this turn (method dytc)
+    offload: dict | None = None  # layer streaming counters for this turn (under --memory-budget)
 
 
 @dataclass
@@ -116,9 +122,9 @@ class MethodSettings:
     max_ngram: int = 3
     adapters: str | None = None  # trained adapters folder: early-exit drafts through its draft adapter
     threshold: float = 0.0  # early-exit / tree confidence stop (CATS methods only)
-    tree_topk: int = 4
-    total_tokens: int = 16
-    depth: int = 5
+    tree_topk: int | None = None  # None: the default, or chosen from the budget (cats.memory.speculation)
+    total_tokens: int | None = None
+    depth: int | None = None
     sv_threshold: float = 0.2  # the cascade's pruning threshold (method cats)
     sv_passes: int = 1  # the cascade's shallow passes per deep pass (method cats)
     sparsity: tuple[float, ...] | None = None  # layer-skip / dytc sparsities (None: their defaults)
@@ -128,9 +134,13 @@ class MethodSettings:
 
 @dataclass
 class BenchContext:
-    model: LayeredModel
+    model: LayeredModel | None  # None in a budgeted run's hf-offload worker (it loads its own)
     model_source: str  # what the user passed as --model (llama.cpp needs the GGUF file behind it)
     settings: MethodSettings = field(default_factory=MethodSettings)
+    memory_budget: str | None = None  # --memory-budget: every method runs under it
+    dtype: str = "float32"
+    context_tokens: int | None = None  # KV cache tokens the budgeted methods plan for
+    prompt_tokens: int | None = None  # the longest prompt (its prefill's activations)
 
 
 class BenchMethod(ABC):
@@ -179,12 +189,17 @@ class CatsMethod(BenchMethod):
                                   typical_alpha=sampling.typical_alpha)
         result = self.generator.generate(prompt_ids, config)
         return TurnResult(result.token_ids, list(result.stats.accept_lengths), result.stats.target_forwards,
-                          result.stats.shallow, result.stats.scheduler)
+                          result.stats.shallow, result.stats.scheduler, result.stats.offload)
 
     def describe(self):
         info = self.drafter.describe() if self.drafter is not None else {"name": self.name}
         if hasattr(self.scorer, "describe"):
             info["cascade"] = self.scorer.describe()
+        model = self.generator.model
+        if model.memory_plan is not None:
+            info["streamed_layers"] = [model.memory_plan.resident_layers, model.num_layers]
+        if self.drafter is not None and self.drafter.speculation is not None:
+            info["speculation"] = self.drafter.speculation
         return info
 
 
@@ -226,7 +241,8 @@ class HfGenerateMethod(BenchMethod):
     def generate(self, prompt_ids, max_new_tokens, seed=None):
         model = self.model
         hf_model, config = model.hf_model, model.hf_model.generation_config
-        input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=model.device)
+        device = model.device if model.device.type != "meta" else torch.device("cpu")  # embeddings offloaded
+        input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
         eos = sorted(model.eos_token_ids)
         recorder, forwards = _ChunkRecorder(), [0]
         hook = model.layers[-1].register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
@@ -270,6 +286,70 @@ def hf_method(name: str, context: BenchContext) -> HfGenerateMethod:
                      "assistant_confidence_threshold": 0.0, "num_assistant_tokens_schedule": "constant"}
         return HfGenerateMethod(name, context, {"assistant_early_exit": layer}, assistant)
     raise AssertionError(f"{name!r} is not a transformers baseline")
+
+
+class HfOffloadMethod(HfGenerateMethod):
+    """transformers + accelerate's own offloading under the same budget: ``from_pretrained(device_map="auto",
+    max_memory={"cpu": the budget less the KV cache and activations CATS plans for}, offload_folder=...)``; what
+    does not fit goes to "disk" (accelerate reads each offloaded Linear's weights from the checkpoint when it runs),
+    then plain greedy ``generate``."""
+
+    def __init__(self, name: str, context: BenchContext):
+        if context.memory_budget is None:
+            raise MethodUnavailableError(f"{name} is transformers + accelerate offloading under a memory budget; "
+                                         "pass --memory-budget")
+        import shutil
+        import tempfile
+
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from cats.memory.budget import PartSizes, mib, parse_budget
+        from cats.memory.offload import build_skeleton, memory_needs, plan_for
+        from cats.model.load import _local_folder, resolve_dtype
+
+        dtype = resolve_dtype(context.dtype)
+        folder = _local_folder(context.model_source)
+        config = AutoConfig.from_pretrained(folder)
+        skeleton = build_skeleton(config, dtype)
+        budget = parse_budget(context.memory_budget, PartSizes.of(skeleton).weights)
+        needs = memory_needs(config, dtype, "ar", context_tokens=context.context_tokens,
+                             prompt_tokens=context.prompt_tokens)
+        plan = plan_for(skeleton, max(budget, 10**15), needs)  # the same KV cache and activation estimates as ar
+        self.max_memory = budget - plan.kv_bytes - plan.activation_bytes
+        if self.max_memory <= 0:
+            raise MethodUnavailableError(f"{name}: the budget {mib(budget)} leaves nothing for weights after the KV "
+                                         f"cache ({mib(plan.kv_bytes)}) and activations ({mib(plan.activation_bytes)})")
+        from cats.memory.rss import bound_heap
+
+        bound_heap()  # the same allocator setting as CATS under a budget
+        self.offload_folder = tempfile.mkdtemp(prefix="cats-hf-offload-")
+        try:
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=dtype, device_map="auto", max_memory={"cpu": self.max_memory},
+                offload_folder=self.offload_folder)
+        except BaseException:
+            shutil.rmtree(self.offload_folder, ignore_errors=True)
+            raise
+        self.device_map = dict(getattr(hf_model, "hf_device_map", {}) or {})
+        self.files = sorted(str(p) for p in Path(folder).glob("*.safetensors"))
+        model = LayeredModel(hf_model, tokenizer=None, name=context.model_source)
+        super().__init__(name, BenchContext(model, context.model_source, context.settings), {}, {})
+
+    def cached_files(self) -> list[str]:
+        """The files its weights are read from (to ask the kernel how much of them it caches)."""
+        return self.files + sorted(str(p) for p in Path(self.offload_folder).rglob("*") if p.is_file())
+
+    def describe(self):
+        placed = {}
+        for device in self.device_map.values():
+            placed[str(device)] = placed.get(str(device), 0) + 1
+        return {"name": self.name, "device_map": "auto", "max_memory_cpu_mb": round(self.max_memory / 2**20, 1),
+                "modules_placed": placed}
+
+    def close(self):
+        import shutil
+
+        shutil.rmtree(self.offload_folder, ignore_errors=True)
 
 
 def find_gguf(model_source: str) -> Path | None:
@@ -361,10 +441,14 @@ class LlamaCppMethod(BenchMethod):
 
 def make_method(name: str, context: BenchContext) -> BenchMethod:
     """The method called ``name``; raises `MethodUnavailableError` for a known method that cannot run here."""
+    if context.memory_budget is not None and name in HF_METHODS + LLAMA_CPP_METHODS:
+        raise MethodUnavailableError(UNBUDGETED.format(name=name))
     if name in CATS_METHODS:
         return CatsMethod(name, context)
     if name in HF_METHODS:
         return hf_method(name, context)
+    if name in OFFLOAD_METHODS:
+        return HfOffloadMethod(name, context)
     if name in LLAMA_CPP_METHODS:
         return LlamaCppMethod(name, context, prompt_lookup=name == "llama-cpp-pld")
     raise UnknownMethodError(f"unknown method {name!r}; known methods: {', '.join(known_methods())}")

@@ -6,11 +6,20 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 SPEEDUP_PLOT = "speedup_per_category.png"
 ACCEPT_PLOT = "accept_length_histogram.png"
+
+
+def _figure(width: float, height: float):
+    """A figure on an Agg canvas; matplotlib is imported only here (a budgeted run's worker processes, whose memory
+    is measured, never draw)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(width, height))
+    FigureCanvasAgg(figure)
+    return figure
 
 
 def plot_speedup(summary: dict, path: Path) -> bool:
@@ -20,8 +29,7 @@ def plot_speedup(summary: dict, path: Path) -> bool:
     if not methods:
         return False
     categories = list(dict.fromkeys(cat for m in methods.values() for cat in m["per_category"])) + ["overall"]
-    figure = Figure(figsize=(max(6.0, 1.0 + 0.9 * len(categories)), 4.0))
-    FigureCanvasAgg(figure)
+    figure = _figure(max(6.0, 1.0 + 0.9 * len(categories)), 4.0)
     axes = figure.add_subplot()
     width = 0.8 / len(methods)
     x = np.arange(len(categories))
@@ -50,8 +58,7 @@ def plot_accept_lengths(answers: dict[str, list[dict]], path: Path) -> bool:
         return False
     longest = max(max(c) for c in counts.values())
     x = np.arange(1, longest + 1)
-    figure = Figure(figsize=(max(6.0, 0.4 * longest + 2), 4.0))
-    FigureCanvasAgg(figure)
+    figure = _figure(max(6.0, 0.4 * longest + 2), 4.0)
     axes = figure.add_subplot()
     width = 0.8 / len(counts)
     for i, (name, counter) in enumerate(counts.items()):

@@ -54,7 +54,14 @@ def render_report(summary: dict, requested_methods: list[str] | None = None) -> 
         f"{f'`{reference}`' if reference else '(no reference: sampled run, or neither ar nor hf-ar ran)'}; "
         "prefix agreement: mean fraction of the reference's tokens reproduced before the first difference",
         "- mean accepted: tokens committed per target forward after the first (1.00 for plain decoding)",
-        "- peak RSS: the process's resident memory while the method ran (shared weights included)",
+        ("- peak RSS: each method ran alone in its own process under the budget; its peak resident memory "
+         "(VmHWM, loading included)" if summary.get("memory_budget") else
+         "- peak RSS: the process's resident memory while the method ran (shared weights included)"),
+        *([f"- memory budget: {summary['memory_budget']} = {summary['memory_budget_mb']:.1f} MiB; runtime baseline "
+           f"{summary['runtime_baseline_mb']:.1f} MiB (torch, transformers, CATS, tokenizer, weightless skeleton); "
+           "within budget: peak RSS <= budget x 1.1 + baseline"] if summary.get("memory_budget") else
+          [f"- runtime baseline: {summary['runtime_baseline_mb']:.1f} MiB (a fresh process with torch, transformers, "
+           "CATS, the tokenizer and a weightless model skeleton)"] if summary.get("runtime_baseline_mb") else []),
         "",
         "## All questions",
         "",
@@ -69,6 +76,19 @@ def render_report(summary: dict, requested_methods: list[str] | None = None) -> 
             f"| {_cell(m['wall_s'], 1)} | {_cell(m['peak_rss_mb'], 0)} | {_percent(m['exact_match'])} "
             f"| {_percent(m.get('prefix_agreement'))} | {m['failures']} |"
         )
+    if summary.get("memory_budget") or any(m.get("offload") for m in methods.values()):
+        lines += ["", "## Memory and streaming", "",
+                  "| method | peak RSS MB | within budget | streamed layers | read MB | read s | stall s | hidden "
+                  "| storage read MB | page cache MB |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for name, m in methods.items():
+            offload, measured = m.get("offload") or {}, m.get("memory") or {}
+            layers = offload.get("streamed_layers")
+            lines.append(
+                f"| {name} | {_cell(m['peak_rss_mb'], 0)} | {_cell(m.get('within_budget'))} "
+                f"| {f'[{layers[0]}, {layers[1]})' if layers else '–'} "
+                f"| {_cell(offload['bytes_read'] / 2**20, 0) if offload else '–'} | {_cell(offload.get('read_s'), 1)} "
+                f"| {_cell(offload.get('stall_s'), 1)} | {_percent(offload.get('hidden_fraction'))} "
+                f"| {_cell(measured.get('storage_read_mb'), 0)} | {_cell(measured.get('page_cache_mb'), 1)} |")
     categories = list(dict.fromkeys(cat for m in methods.values() for cat in m["per_category"]))
     for category in categories:
         lines += ["", f"## {category}", "", "| method | tokens/s | speedup | speedup (aggregate) | mean accepted |",

@@ -120,6 +120,31 @@ def scheduler_totals(answers: Sequence[dict]) -> dict | None:
     return total
 
 
+OFFLOAD_SUMS = ("bytes_read", "layers_read", "read_s", "stall_s", "stalls", "acquires", "out_of_order")
+
+
+def offload_totals(answers: Sequence[dict]) -> dict | None:
+    """Layer streaming counters summed over every turn (hidden fraction recomputed from the sums); None when no
+    layer streamed."""
+    turns = [counts for a in answers for counts in choice(a).get("offload", [])]
+    if not turns:
+        return None
+    total = {key: sum(counts[key] for counts in turns) for key in OFFLOAD_SUMS}
+    total["read_s"], total["stall_s"] = round(total["read_s"], 4), round(total["stall_s"], 4)
+    hidden = 1 - total["stall_s"] / total["read_s"] if total["read_s"] > 0 else 0.0
+    total.update(hidden_fraction=round(min(1.0, max(0.0, hidden)), 4),
+                 read_mb_per_s=round(total["bytes_read"] / 2**20 / total["read_s"], 1) if total["read_s"] else None,
+                 streamed_layers=turns[-1]["streamed_layers"], io=turns[-1]["io"])
+    return total
+
+
+def within_budget(peak_rss_mb: float | None, budget_mb: float | None, baseline_mb: float | None) -> bool | None:
+    """The issue's bound: peak RSS <= budget x 1.1 + the runtime baseline."""
+    if peak_rss_mb is None or budget_mb is None or baseline_mb is None:
+        return None
+    return peak_rss_mb <= budget_mb * 1.1 + baseline_mb
+
+
 def exact_match(method_answers: Sequence[dict], reference_answers: Sequence[dict]) -> float | None:
     """Fraction of the questions the reference answered whose answer by the method has exactly the reference's
     tokens (a failed question counts as a mismatch)."""
@@ -177,13 +202,15 @@ def summarize(
     settings: dict[str, dict] | None = None,
     skipped: dict[str, str] | None = None,
     acceptance: dict[str, str] | None = None,
+    memory: dict[str, dict] | None = None,
 ) -> dict:
     """The ``summary.json`` object.
 
     ``run`` holds the run's settings (``model``, ``dtype``, ``threads``, ``questions``, ``max_new_tokens``,
-    ``temperature`` (default 0), ``acceptance`` (default ``exact``) and any others to record); ``answers`` maps
-    each method that ran to its answers (same questions, same order); ``acceptance`` each method's acceptance label
-    (default: the run's)."""
+    ``temperature`` (default 0), ``acceptance`` (default ``exact``), ``memory_budget_mb`` / ``runtime_baseline_mb``
+    when known, and any others to record); ``answers`` maps each method that ran to its answers (same questions, same
+    order); ``acceptance`` each method's acceptance label (default: the run's); ``memory`` holds what a budgeted
+    run's workers measured per method (plan, bytes read from storage, page cache held at the end)."""
     baseline = pick_baseline(answers)
     sampled = run.get("temperature", 0) > 0
     reference = None if sampled else pick_reference(answers)
@@ -217,6 +244,14 @@ def summarize(
         scheduler = scheduler_totals(good)
         if scheduler is not None:
             entry["scheduler"] = scheduler
+        offload = offload_totals(good)
+        if offload is not None:
+            entry["offload"] = offload
+        if run.get("memory_budget_mb") is not None:
+            entry["within_budget"] = within_budget(entry["peak_rss_mb"], run["memory_budget_mb"],
+                                                   run.get("runtime_baseline_mb"))
+        if memory and name in memory:
+            entry["memory"] = memory[name]
         for category in categories(answers):
             in_category = [a for a in method_answers if a["category"] == category]
             if not in_category:

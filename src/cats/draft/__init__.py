@@ -10,6 +10,7 @@ from cats.draft.layer_skip import LayerSkipDrafter, SkipSet
 from cats.draft.prompt_lookup import PromptLookupDrafter
 from cats.draft.tree_draft import TreeDrafter
 from cats.errors import InvalidArgumentError, UnknownMethodError
+from cats.memory.speculation import speculation_for
 from cats.model import LayeredModel
 
 METHODS = ("ar", "pld", "early-exit", "tree", "cats", "cats-no-shallow", "layer-skip", "dytc")
@@ -28,6 +29,14 @@ def _draft_adapter(adapters: str | None, model: LayeredModel):
     return load_adapter(find_adapter(adapters, "draft"), model, role="draft")
 
 
+def _check_resident(model: LayeredModel, layer: int) -> None:
+    """Under a memory budget the draft layers must be resident (an out-of-range layer is the drafter's error)."""
+    from cats.memory.offload import check_resident
+
+    if 1 <= layer < model.num_layers:
+        check_resident(model, layer, f"drafting from layer {layer}")
+
+
 def check_method(method: str) -> str:
     """Return ``method`` if CATS knows it, else raise `UnknownMethodError` listing the known ones."""
     if method not in METHODS:
@@ -43,9 +52,9 @@ def make_drafter(
     max_ngram: int = 3,
     adapters: str | None = None,
     threshold: float = 0.0,
-    tree_topk: int = 4,
-    total_tokens: int = 16,
-    depth: int = 5,
+    tree_topk: int | None = None,
+    total_tokens: int | None = None,
+    depth: int | None = None,
     sparsity: float | Sequence[float] | None = None,
 ) -> Drafter | None:
     """The drafter for a method name; ``None`` for plain autoregressive decoding (``ar``).
@@ -54,8 +63,17 @@ def make_drafter(
     trees then draft through the draft adapter at its own layer. ``threshold``: their confidence stop.
     ``tree_topk``, ``total_tokens``, ``depth``: the shape of dynamic draft trees (method ``tree``).
     ``sparsity``: layer-skip's fraction of skipped sublayers (default 0.4), or dytc's list of them (default 0.4,
-    0.6); skip sets come from the calibration cache, calibrated on first use (`cats.draft.calibrate`)."""
+    0.6); skip sets come from the calibration cache, calibrated on first use (`cats.draft.calibrate`).
+
+    Left as None, the early-exit draft length and the tree shape are 4 and (4, 16, 5); when the model streams
+    layers under a memory budget they come from the speculation bucket chosen for the budget's I/O cost
+    (`cats.memory.speculation`). layer-skip and dytc draft through every layer, so they refuse a model that
+    streams layers."""
     check_method(method)
+    if method in ("layer-skip", "dytc") and model.weights is not None:
+        raise InvalidArgumentError(f"{method} drafts through every layer, so under a memory budget every draft token "
+                                   "would read the streamed layers again; it needs a budget that keeps every layer "
+                                   "resident (or use tree, cats, early-exit or pld)")
     if sparsity is not None and method not in ("layer-skip", "dytc"):
         raise InvalidArgumentError(f"--sparsity applies to layer-skip and dytc, not to {method!r}")
     if method == "layer-skip" and adapters is not None:
@@ -71,9 +89,12 @@ def make_drafter(
     if method == "dytc":
         from cats.draft.dytc import make_dytc
 
+        bucket = speculation_for(model)[0]  # the default shape: nothing streams here
         return make_dytc(model, _sparsities(sparsity, DYTC_SPARSITIES), adapter=_draft_adapter(adapters, model),
-                         max_ngram=max_ngram, num_tokens=num_draft_tokens, tree_topk=tree_topk,
-                         total_tokens=total_tokens, depth=depth)
+                         max_ngram=max_ngram, num_tokens=num_draft_tokens,
+                         tree_topk=bucket.tree_topk if tree_topk is None else tree_topk,
+                         total_tokens=bucket.total_tokens if total_tokens is None else total_tokens,
+                         depth=bucket.depth if depth is None else depth)
     if method in ("cats", "cats-no-shallow") and adapters is None:
         raise InvalidArgumentError(f"method {method!r} needs --adapters DIR holding trained draft/ and shallow/ adapters "
                                    "(cats train adapter); without adapters use tree or early-exit")
@@ -83,13 +104,29 @@ def make_drafter(
         return None
     if method == "pld":
         return PromptLookupDrafter(num_tokens=num_draft_tokens or 10, max_ngram=max_ngram)
+    adapter = _draft_adapter(adapters, model)
+    layer = adapter.config.layer if adapter is not None else draft_layer
+    _check_resident(model, default_draft_layer(model) if layer is None else layer)
+    chosen = None  # (bucket, why) when the budget chose the draft size
     if method == "early-exit":
-        return EarlyExitDrafter(model, layer=draft_layer, num_tokens=num_draft_tokens or 4,
-                                adapter=_draft_adapter(adapters, model), threshold=threshold)
-    if method in ("tree", "cats", "cats-no-shallow"):
-        return TreeDrafter(model, layer=draft_layer, adapter=_draft_adapter(adapters, model), tree_topk=tree_topk,
-                           total_tokens=total_tokens, depth=depth, threshold=threshold)
-    raise AssertionError(f"method {method!r} is listed in METHODS but has no drafter")
+        if num_draft_tokens is None:
+            chosen = speculation_for(model, chain=True)
+            num_draft_tokens = chosen[0].num_draft_tokens
+        drafter = EarlyExitDrafter(model, layer=draft_layer, num_tokens=num_draft_tokens, adapter=adapter,
+                                   threshold=threshold)
+    elif method in ("tree", "cats", "cats-no-shallow"):
+        if None in (tree_topk, total_tokens, depth):
+            chosen = speculation_for(model)
+            tree_topk = chosen[0].tree_topk if tree_topk is None else tree_topk
+            total_tokens = chosen[0].total_tokens if total_tokens is None else total_tokens
+            depth = chosen[0].depth if depth is None else depth
+        drafter = TreeDrafter(model, layer=draft_layer, adapter=adapter, tree_topk=tree_topk,
+                              total_tokens=total_tokens, depth=depth, threshold=threshold)
+    else:
+        raise AssertionError(f"method {method!r} is listed in METHODS but has no drafter")
+    if chosen is not None and model.memory_plan is not None:
+        drafter.speculation = chosen[1]
+    return drafter
 
 
 def _sparsities(value: float | Sequence[float] | None, default: tuple[float, ...]) -> tuple[float, ...]:

@@ -198,7 +198,8 @@ def load_adapter(folder: str | Path, model: LayeredModel, role: str | None = Non
         raise AdapterError(f"adapter {str(folder)!r} was trained at layer {config.layer}, not at layer {layer}")
     adapter = Adapter(config, model, cache_layer)
     state = load_file(str(weights_file))
-    missing, unexpected = adapter.load_state_dict(state, strict=False)
+    # assign: the block was copied from a target layer, which streams (meta parameters) under a memory budget
+    missing, unexpected = adapter.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise AdapterError(f"{weights_file} does not match the adapter's block: missing {missing}, unexpected {unexpected}")
     return adapter.to(model.dtype).eval().requires_grad_(False)

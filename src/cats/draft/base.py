@@ -103,6 +103,7 @@ class Drafter(ABC):
     name: str = "drafter"
     cache_layers: int = 0  # extra KV-cache layers the drafter's own blocks need (after the target's layers)
     prefill_layers: tuple[int, ...] = ()  # layers whose prompt hidden states `prefill` needs
+    speculation: dict | None = None  # under a memory budget: the draft size bucket chosen for it, and why
 
     def prefill(self, state: DecodeState, hidden: dict[int, torch.Tensor]) -> None:
         """Called once after the prompt ran, with its states after each of ``prefill_layers`` (``[1, P, H]``)."""

@@ -18,11 +18,21 @@ IDENTITY_FIELDS = (
 def model_fingerprint(model) -> str:
     """16 hex digits: SHA-256 over the identity fields of the config and the lm_head weights (as float32 bytes of
     a fixed strided sample of rows, so the value does not depend on the dtype the model was loaded in)."""
-    config = model.config
+    weight = model.hf_model.lm_head.weight.detach()
+    return fingerprint_of(model.config, weight[fingerprint_rows(weight.shape[0])])
+
+
+def fingerprint_rows(num_rows: int) -> slice:
+    """The lm_head rows the fingerprint reads (about 256, evenly strided)."""
+    return slice(None, None, max(1, num_rows // 256))
+
+
+def fingerprint_of(config, rows: torch.Tensor) -> str:
+    """The fingerprint from a config and the sampled lm_head rows (``weight[fingerprint_rows(V)]``), so that it
+    can be computed from a checkpoint without loading the model."""
     fields = {key: getattr(config, key, None) for key in IDENTITY_FIELDS}
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode())
-    weight = model.hf_model.lm_head.weight.detach()
-    rows = weight[:: max(1, weight.shape[0] // 256)].to(torch.bfloat16).to(torch.float32)  # bf16: dtype-independent
+    rows = rows.to(torch.bfloat16).to(torch.float32)  # bf16: dtype-independent
     digest.update(rows.contiguous().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
 

@@ -63,11 +63,16 @@ class LayeredModel:
         hf_model: the transformers ``*ForCausalLM`` module (weights live here, loaded once).
         tokenizer: its tokenizer, with the chat template.
         name: where the model came from (path or Hub id), for reports.
+        weights: under a memory budget, the `cats.memory.LayerStreamer` that makes streamed layers' parameters
+            real around each use (None: every layer is resident).
+        memory_plan: the `cats.memory.MemoryPlan` it runs under (None: no budget).
     """
 
     hf_model: torch.nn.Module
     tokenizer: object = None
     name: str = ""
+    weights: object = None
+    memory_plan: object = None
 
     def __post_init__(self):
         check_supported(self.hf_model.config)
@@ -90,6 +95,15 @@ class LayeredModel:
         from cats.model.load import load_model
 
         return load_model(model, **kwargs)
+
+    def attach_weights(self, weights, plan) -> None:
+        """Run under a memory plan, streaming its deep layers through ``weights`` (a `LayerStreamer` or None)."""
+        self.weights, self.memory_plan = weights, plan
+
+    def close(self) -> None:
+        """Stop streaming (the reader thread); the model cannot run its streamed layers afterwards."""
+        if self.weights is not None:
+            self.weights.close()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -178,16 +192,23 @@ class LayeredModel:
         masks = {kind: self.attention_mask(cache.positions(start), position_ids, attend, kind) for kind in kinds}
         device_positions = position_ids.to(self.device).unsqueeze(0)
         rotary = {kind: self.rotary(hidden, device_positions, kind) for kind in kinds}
+        weights = self.weights
         for i in range(start, end):
             kind = self.layer_types[i]
-            out = self.layers[i](
-                hidden,
-                attention_mask=masks[kind],
-                position_embeddings=rotary[kind],
-                position_ids=device_positions,
-                cache=cache.hf_cache,
-                use_cache=True,
-            )
+            if weights is not None:  # a streamed layer's parameters are real only between acquire and release
+                weights.acquire(i)
+            try:
+                out = self.layers[i](
+                    hidden,
+                    attention_mask=masks[kind],
+                    position_embeddings=rotary[kind],
+                    position_ids=device_positions,
+                    cache=cache.hf_cache,
+                    use_cache=True,
+                )
+            finally:
+                if weights is not None:
+                    weights.release(i)
             hidden = out[0] if isinstance(out, tuple) else out
         cache.record(start, end, position_ids)
         return hidden

@@ -49,32 +49,68 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str = "cpu",
     attn_implementation: str = "sdpa",
+    memory_budget: str | int | None = None,
+    memory_needs=None,
+    offload_io: str = "direct",
+    layer_store: str | os.PathLike | None = None,
+    tokenizer=None,
 ) -> LayeredModel:
     """Load ``model`` (local folder, ``.gguf`` file, folder holding one ``.gguf``, or Hub id) as a `LayeredModel`.
+
+    With ``memory_budget`` (bytes, ``"300MiB"``, ``"1.5GB"`` or ``"50%"`` of the weight bytes) only the parts the
+    plan keeps resident are read; the deep layers stream from a per-layer store made once under
+    ``$CATS_CACHE/layers`` (or ``layer_store``). ``memory_needs`` (`cats.memory.MemoryNeeds`, e.g. from
+    `cats.memory.memory_needs` for a method) says what else must fit; ``offload_io`` is ``buffered`` or
+    ``direct`` (see docs/memory.md). The plan is ``model.memory_plan``. ``tokenizer``: one already loaded for this
+    model (e.g. to size the plan from the prompt), used instead of loading it again.
 
     Raises:
         ModelNotFoundError: no such path, and not a reachable Hub id.
         MissingDependencyError: a GGUF file without the ``gguf`` package.
         UnsupportedArchitectureError: an architecture CATS cannot drive.
+        BudgetTooSmallError: a budget below the resident minimum (the message names it).
     """
     torch_dtype = resolve_dtype(dtype)
+    if memory_budget is not None and device != "cpu":
+        raise InvalidArgumentError(f"a memory budget streams layers into CPU memory; device {device!r} is not supported")
     folder = _local_folder(str(model))
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         config = AutoConfig.from_pretrained(folder)
     except (OSError, ValueError) as error:
         raise ModelNotFoundError(f"cannot read a model config from {model!r}: {_first_line(error)}") from None
     check_supported(config)
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch_dtype, attn_implementation=attn_implementation
-    ).to(device)
+    if tokenizer is None:
+        tokenizer = _tokenizer(folder, model)  # first: what it allocates then stays below the weights
+    weights, plan = None, None
+    if memory_budget is None:
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch_dtype, attn_implementation=attn_implementation
+        ).to(device)
+    else:
+        from cats.memory.offload import load_under_budget
+
+        hf_model, plan, weights = load_under_budget(folder, config, torch_dtype, memory_budget, memory_needs,
+                                                    offload_io, layer_store, attn_implementation)
+    layered = LayeredModel(hf_model, tokenizer, name=str(model))
+    layered.attach_weights(weights, plan)
+    return layered
+
+
+def load_tokenizer(model: str | os.PathLike):
+    """The tokenizer of ``model`` alone (None when it has none), e.g. to size a memory plan before loading."""
+    return _tokenizer(_local_folder(str(model)), model)
+
+
+def _tokenizer(folder: str, model):
+    from transformers import AutoTokenizer
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        return AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, TypeError) as error:
         warnings.warn(f"model {model!r} has no usable tokenizer ({_first_line(error)}); only token ids work")
-        tokenizer = None
-    return LayeredModel(hf_model, tokenizer, name=str(model))
+        return None
 
 
 def _first_line(error: Exception) -> str:

@@ -1,0 +1,110 @@
+"""One method of a ``cats bench --memory-budget`` run, alone in a fresh process, so that the peak RSS it reports
+(``VmHWM``, loading included) is that method's own: ``python -m cats.bench.worker JOB.json``.
+
+The parent (`cats.bench.runner`) writes the job (model, method, settings, budget, questions, output paths), runs
+the workers one after the other, and merges their answer files and results into one summary. A worker writes its
+answers to ``<method>.jsonl.partial`` (the parent renames it when the run completes) and its measurements to the
+job's ``result`` file: peak RSS, the memory plan, the bytes it read from storage and how much of its weight files
+the kernel still caches at the end. A method that cannot run under the budget reports why (``skipped``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+MIB = 1 << 20
+
+
+def run_job(job: dict) -> dict:
+    import torch
+
+    from cats.bench.answers import AnswerWriter
+    from cats.bench.methods import (BenchContext, CatsMethod, MethodSettings, MethodUnavailableError, SamplingSettings,
+                                    make_method)
+    from cats.bench.questions import Question
+    from cats.bench.runner import BenchConfig, answer_question
+    from cats.draft import METHODS as CATS_METHODS
+    from cats.errors import CatsError
+    from cats.memory.rss import page_cache_bytes, peak_rss_bytes, storage_read_bytes
+    from cats.model.load import load_tokenizer
+
+    torch.set_num_threads(job["threads"])
+    settings = MethodSettings(**{**job["settings"],
+                                 "sampling": SamplingSettings(**job["settings"].get("sampling", {}))})
+    name, source = job["method"], job["model"]
+    questions = [Question(q["question_id"], q["category"], tuple(q["turns"])) for q in job["questions"]]
+    config = BenchConfig(model=source, questions=Path(job["question_file"]), out=Path(job["answers"]).parent,
+                         methods=[name], max_new_tokens=job["max_new_tokens"], dtype=job["dtype"],
+                         turns=job["turns"], prompt_format=job["prompt_format"], warmup=job["warmup"],
+                         seed=job.get("seed"), settings=settings)
+    try:
+        model, tokenizer = None, None
+        if name in CATS_METHODS:
+            from cats.memory.offload import prepare
+
+            model = prepare(source, job["memory_budget"], dtype=job["dtype"], method=name, adapters=settings.adapters,
+                            draft_layer=settings.draft_layer, num_draft_tokens=settings.num_draft_tokens,
+                            total_tokens=settings.total_tokens, context_tokens=job["context_tokens"],
+                            prompt_tokens=job.get("prompt_tokens"), prefetch=job["prefetch"],
+                            offload_io=job["offload_io"])
+            tokenizer = model.tokenizer  # one tokenizer in the process, as in the runtime baseline
+            if job.get("progress") and model.memory_plan is not None:
+                print(model.memory_plan.describe(), file=sys.stderr, flush=True)
+        else:  # hf-offload loads its model without one; first, as the runtime baseline does
+            tokenizer = load_tokenizer(source)
+        context = BenchContext(model, source, settings, memory_budget=job["memory_budget"], dtype=job["dtype"],
+                               context_tokens=job["context_tokens"], prompt_tokens=job.get("prompt_tokens"))
+        method = make_method(name, context)
+    except (MethodUnavailableError, CatsError) as error:
+        return {"skipped": str(error)}
+    writer = AnswerWriter(Path(job["answers"]))
+    try:
+        for _ in range(config.warmup):
+            answer_question(method, questions[0], tokenizer, config, job["model_id"])
+        read_before, start = storage_read_bytes(), time.perf_counter()
+        for number, question in enumerate(questions, start=1):
+            answer = answer_question(method, question, tokenizer, config, job["model_id"])
+            if answer["error"]:
+                print(f"cats bench: {name} failed on question {question.question_id}: {answer['error']}",
+                      file=sys.stderr)
+            writer.write(answer)
+            if job.get("progress"):
+                print(f"cats bench: {name} {number}/{len(questions)} ({time.perf_counter() - start:.0f} s)",
+                      file=sys.stderr, flush=True)
+        read_after = storage_read_bytes()
+        if isinstance(method, CatsMethod) and model.weights is not None:
+            cached = page_cache_bytes(model.weights.store_files())
+        elif hasattr(method, "cached_files"):
+            cached = page_cache_bytes(method.cached_files())
+        else:
+            cached = None
+        result = {
+            "peak_rss_mb": round(peak_rss_bytes() / MIB, 1),
+            "settings": method.describe(),
+            "acceptance": method.acceptance,
+            "plan": model.memory_plan.to_dict() if model is not None and model.memory_plan is not None else None,
+            "storage_read_mb": round((read_after - read_before) / MIB, 1) if read_before is not None else None,
+            "page_cache_mb": round(cached / MIB, 1) if cached is not None else None,
+        }
+    finally:
+        writer.close()
+        method.close()
+        if model is not None:
+            model.close()
+    return result
+
+
+def main(argv: list[str]) -> int:
+    from cats.cli import quiet_transformers
+
+    quiet_transformers()
+    job = json.loads(Path(argv[0]).read_text())
+    result = run_job(job)
+    Path(job["result"]).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,282 @@
+"""Running a model under a memory budget: plan, layer store, resident parts, streamer.
+
+Two ways in:
+
+* `load_under_budget` (what ``cats.load(..., memory_budget=...)`` calls): builds the model skeleton with every
+  parameter on the meta device, plans, makes the layer store from the checkpoint if it is not there yet (one part
+  in memory at a time), reads only the resident parts, and starts streaming the rest. The streamed layers are
+  never materialised whole, so the process's peak stays within the plan.
+* `offload_model`: a model already in memory is put under a budget in place (the store is written from its
+  parameters, then the streamed layers' parameters are dropped). Its peak so far already held the whole model;
+  use it for tests and for models that do not come from a checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from cats.errors import InvalidArgumentError
+from cats.memory.budget import (DEFAULT_CONTEXT_TOKENS, DEFAULT_PREFETCH, BudgetTooSmallError, MemoryNeeds,
+                                MemoryPlan, PartSizes, activation_bytes, kv_cache_bytes, parse_budget, plan_memory)
+from cats.memory.rss import bound_heap
+from cats.memory.store import (Checkpoint, LayerStore, ensure_store, model_source, part_modules,
+                               read_part, tied_aliases, write_from_checkpoint, write_from_model)
+from cats.memory.stream import IO_MODES, LayerStreamer
+from cats.model.identity import fingerprint_of, fingerprint_rows, model_fingerprint
+
+
+def plan_for(hf_model, budget: str | int, needs: MemoryNeeds) -> MemoryPlan:
+    """The plan for ``hf_model`` (real or meta parameters) under ``budget`` (bytes, ``300MiB`` or ``50%``).
+
+    When the draft size is left to the budget (``needs.speculation``), the largest speculation bucket whose
+    activations still fit is reserved (``needs.max_tree_tokens`` is set to it); the error for a budget too small
+    names the minimum with the smallest bucket."""
+    if needs.speculation is None:
+        return _plan(hf_model, budget, needs)
+    from cats.memory.speculation import BUCKETS, pass_tokens
+
+    error = None
+    for bucket in reversed(BUCKETS):
+        needs.max_tree_tokens = pass_tokens(bucket, needs.speculation)
+        try:
+            return _plan(hf_model, budget, needs)
+        except BudgetTooSmallError as too_small:
+            error = too_small
+    raise error
+
+
+def _plan(hf_model, budget: str | int, needs: MemoryNeeds) -> MemoryPlan:
+    config = hf_model.config
+    parts = PartSizes.of(hf_model)
+    itemsize = hf_model.model.embed_tokens.weight.element_size()
+    kv = kv_cache_bytes(config, itemsize, needs.context_tokens + needs.max_tree_tokens, needs.extra_cache_layers)
+    # a decode pass over the largest tree (logits for every node), or the prefill (logits for one row)
+    prompt = needs.prompt_tokens or needs.context_tokens
+    activation = max(activation_bytes(config, itemsize, needs.max_tree_tokens, needs.context_tokens),
+                     activation_bytes(config, itemsize, prompt, 0, logit_rows=1))
+    return plan_memory(parse_budget(budget, parts.weights), parts, needs, kv, activation)
+
+
+def _check_io(io: str) -> None:
+    if io not in IO_MODES:
+        raise InvalidArgumentError(f"offload I/O mode must be one of {', '.join(IO_MODES)}, got {io!r}")
+
+
+def _default_needs(config, needs: MemoryNeeds | None) -> MemoryNeeds:
+    if needs is not None:
+        return needs
+    context = int(getattr(config, "max_position_embeddings", 0) or DEFAULT_CONTEXT_TOKENS)
+    return MemoryNeeds(context_tokens=min(DEFAULT_CONTEXT_TOKENS, context))
+
+
+def _set_parameters(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    for name, tensor in tensors.items():
+        owner, _, attribute = name.rpartition(".")
+        target = module.get_submodule(owner) if owner else module
+        target._parameters[attribute] = torch.nn.Parameter(tensor, requires_grad=False)
+
+
+def _start_streaming(hf_model, store: LayerStore, plan: MemoryPlan, io: str) -> LayerStreamer | None:
+    if not plan.streamed:
+        return None
+    return LayerStreamer(hf_model.model.layers, plan.num_layers, store, plan.resident_layers, plan.pool_slots,
+                         plan.slot_bytes, io=io)
+
+
+def build_skeleton(config, dtype: torch.dtype, attn_implementation: str = "sdpa"):
+    """The ``*ForCausalLM`` module with every parameter on the meta device (buffers such as rotary frequencies
+    are real), tied weights tied."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    hf_model.tie_weights()
+    return hf_model.eval().requires_grad_(False)
+
+
+def load_under_budget(folder: str | Path, config, dtype: torch.dtype, budget: str | int,
+                      needs: MemoryNeeds | None = None, io: str = "direct", layer_store: str | Path | None = None,
+                      attn_implementation: str = "sdpa"):
+    """Load the checkpoint in ``folder`` under ``budget``: ``(hf_model, plan, streamer or None)``.
+
+    Raises `BudgetTooSmallError` before reading any weight when the budget cannot hold the minimum."""
+    _check_io(io)
+    bound_heap()
+    hf_model = build_skeleton(config, dtype, attn_implementation)
+    _load_generation_config(hf_model, folder)
+    needs = _default_needs(config, needs)
+    plan = plan_for(hf_model, budget, needs)
+    store = checkpoint_store(folder, hf_model, dtype, layer_store)
+    modules = part_modules(hf_model)
+    resident = ["embed", "norm", *(["lm_head"] if "lm_head" in modules else []),
+                *(f"layer-{i:03d}" for i in range(plan.resident_layers))]
+    for part in resident:
+        _set_parameters(modules[part][1], read_part(store.header(part)))
+    if "lm_head" not in modules:
+        hf_model.lm_head._parameters["weight"] = hf_model.model.embed_tokens.weight
+    return hf_model, plan, _start_streaming(hf_model, store, plan, io)
+
+
+def checkpoint_store(folder: str | Path, hf_model, dtype: torch.dtype, layer_store: str | Path | None = None) -> LayerStore:
+    """The layer store of the checkpoint in ``folder`` (made now if absent), for the model skeleton ``hf_model``.
+    Its key is the model fingerprint, computed from the checkpoint's own lm_head rows, so that a store holding
+    another model's weights is caught (`cats.memory.store.open_store`)."""
+    config = hf_model.config
+    checkpoint = Checkpoint(Path(folder))
+    rows = checkpoint.read("lm_head.weight", tied_aliases(hf_model), fingerprint_rows(config.vocab_size)).to(dtype)
+    parts = {part: sum(p.numel() * p.element_size() for p in module.parameters())
+             for part, (_, module) in part_modules(hf_model).items()}
+    return ensure_store(layer_store, fingerprint_of(config, rows), dtype, config, checkpoint.source(), parts,
+                        write_from_checkpoint(checkpoint, hf_model, dtype))
+
+
+def _load_generation_config(hf_model, folder) -> None:
+    """``from_pretrained`` reads ``generation_config.json`` (end-of-sequence ids); the skeleton must too."""
+    if (Path(folder) / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        try:
+            hf_model.generation_config = GenerationConfig.from_pretrained(folder)
+        except (OSError, ValueError):
+            pass
+
+
+def offload_model(model, budget: str | int, needs: MemoryNeeds | None = None, io: str = "direct",
+                  layer_store: str | Path | None = None) -> MemoryPlan:
+    """Put a `LayeredModel` already in memory under ``budget``: store its layers (once), drop the streamed layers'
+    parameters and stream them from then on. Returns the plan (also ``model.memory_plan``)."""
+    _check_io(io)
+    bound_heap()
+    if model.weights is not None:
+        raise InvalidArgumentError("this model already runs under a memory budget; load it again to change the budget")
+    hf_model = model.hf_model
+    needs = _default_needs(model.config, needs)
+    plan = plan_for(hf_model, budget, needs)
+    modules = part_modules(hf_model)
+    parts = {part: sum(p.numel() * p.element_size() for p in module.parameters()) for part, (_, module) in modules.items()}
+    store = ensure_store(layer_store, model_fingerprint(model), model.dtype, model.config, model_source(hf_model),
+                         parts, write_from_model(hf_model))
+    for layer in plan.streamed:
+        module = model.layers[layer]
+        _set_parameters(module, {name: torch.empty_like(p, device="meta") for name, p in module.named_parameters()})
+    model.attach_weights(_start_streaming(hf_model, store, plan, io), plan)
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------- method needs
+def adapter_bytes(folder: Path, hidden_size: int, itemsize: int) -> tuple[int, int]:
+    """``(layer, resident bytes)`` of an adapter folder: its block and norm in the model's dtype, plus the lm_head
+    rows it gathers once for a reduced draft vocabulary."""
+    from cats.draft.adapter import AdapterError
+    from cats.memory.store import read_header
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise AdapterError(f"cannot read adapter config {folder / 'config.json'}: {error}") from None
+    header = read_header(folder / "model.safetensors")
+    numel = sum(_numel(e.shape) for e in header.entries.values())
+    vocab = config.get("vocab_subset") or []
+    return int(config["layer"]), numel * itemsize + len(vocab) * (hidden_size * itemsize + 8)
+
+
+def _numel(shape) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def memory_needs(config, dtype: torch.dtype, method: str = "ar", adapters: str | None = None,
+                 draft_layer: int | None = None, num_draft_tokens: int | None = None, total_tokens: int | None = None,
+                 context_tokens: int | None = None, prefetch: int = DEFAULT_PREFETCH,
+                 prompt_tokens: int | None = None) -> MemoryNeeds:
+    """What ``method`` needs resident besides the weights: the layers every draft step runs (``[0, L_d)``; all of
+    them for layer-skip and dytc), its adapters, and the largest pass it verifies (the largest speculation bucket
+    when the tree size is left to the budget). The cascade's shallow layers ``[L_d, L_sv)`` run once per pass: they
+    stay resident when the budget allows (as many layers as fit always do) and stream otherwise."""
+    from cats.draft import check_method
+    from cats.draft.adapter import find_adapter
+    from cats.memory.speculation import BUCKETS, pass_tokens
+
+    check_method(method)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    context = int(getattr(config, "max_position_embeddings", 0) or DEFAULT_CONTEXT_TOKENS)
+    needs = MemoryNeeds(context_tokens=context_tokens or min(DEFAULT_CONTEXT_TOKENS, context), prefetch=prefetch,
+                        prompt_tokens=prompt_tokens)
+    layers, extra, resident = [], 0, 0
+    if adapters is not None and method not in ("ar", "pld"):
+        roles = ("draft", "shallow") if method == "cats" else ("draft",)
+        for role in roles:
+            layer, size = adapter_bytes(find_adapter(adapters, role), config.hidden_size, itemsize)
+            if role == "draft":
+                layers.append(layer)
+            else:
+                needs.shallow_layers = layer
+            resident += size
+            extra += 1
+    if method in ("layer-skip", "dytc"):  # they draft through every layer: all of them must stay resident
+        layers.append(config.num_hidden_layers)
+    if method in ("early-exit", "tree", "cats-no-shallow", "cats") and not layers:
+        layers.append(draft_layer if draft_layer is not None else max(1, config.num_hidden_layers // 8))
+    needs.min_resident_layers = min(max(layers, default=0), config.num_hidden_layers)
+    needs.adapter_bytes, needs.extra_cache_layers = resident, extra
+    kind = "chain" if method == "early-exit" else "cascade" if method == "cats" else "tree"
+    if method == "pld":
+        needs.max_tree_tokens = (num_draft_tokens or 10) + 1
+    elif method == "early-exit" and num_draft_tokens is not None:
+        needs.max_tree_tokens = num_draft_tokens + 1
+    elif method in ("tree", "cats-no-shallow", "cats", "dytc") and total_tokens is not None:
+        needs.max_tree_tokens = (2 * total_tokens if method == "cats" else total_tokens) + 1  # cats: + corrections
+    elif method in ("early-exit", "tree", "cats-no-shallow", "cats", "dytc"):
+        needs.speculation = kind  # left to the budget: plan_for reserves the largest bucket that fits
+        needs.max_tree_tokens = max(pass_tokens(bucket, kind) for bucket in BUCKETS)
+    return needs
+
+
+def check_resident(model, layers: int, what: str) -> None:
+    """Refuse to run ``what`` (which runs layers ``[0, layers)`` every draft step) when the plan streams some of
+    them: every draft step would then read them again."""
+    plan = model.memory_plan
+    if plan is not None and layers > plan.resident_layers:
+        raise InvalidArgumentError(
+            f"{what} runs layers [0, {layers}) every draft step, but the memory plan keeps only [0, "
+            f"{plan.resident_layers}) resident; load the model with the method's needs (cats.memory.memory_needs) "
+            "or a larger budget")
+
+
+def prepare(model, memory_budget: str | int, *, dtype="float32", method: str = "ar", adapters: str | None = None,
+            draft_layer: int | None = None, num_draft_tokens: int | None = None, total_tokens: int | None = None,
+            context_tokens: int | None = None, prefetch: int = DEFAULT_PREFETCH, offload_io: str = "direct",
+            layer_store: str | Path | None = None, tokenizer=None, prompt_tokens: int | None = None):
+    """``model`` (a path or Hub id to load, or a `LayeredModel` in memory) ready to run ``method`` under
+    ``memory_budget``, with the method's needs (`memory_needs`) in the plan. A model already under the same budget
+    is returned as it is. ``tokenizer``: the model's tokenizer if already loaded (not loaded twice)."""
+    from cats.model import LayeredModel, load_model
+    from cats.model.load import resolve_dtype
+
+    if isinstance(model, LayeredModel):
+        config, torch_dtype = model.config, model.dtype
+    else:
+        from transformers import AutoConfig
+
+        from cats.model.load import _local_folder
+
+        torch_dtype = resolve_dtype(dtype)
+        config = AutoConfig.from_pretrained(_local_folder(str(model)))
+    needs = memory_needs(config, torch_dtype, method, adapters=adapters, draft_layer=draft_layer,
+                         num_draft_tokens=num_draft_tokens, total_tokens=total_tokens, context_tokens=context_tokens,
+                         prefetch=prefetch, prompt_tokens=prompt_tokens)
+    if not isinstance(model, LayeredModel):
+        return load_model(model, dtype=torch_dtype, memory_budget=memory_budget, memory_needs=needs,
+                          offload_io=offload_io, layer_store=layer_store, tokenizer=tokenizer)
+    if model.memory_plan is not None:
+        if parse_budget(memory_budget, model.memory_plan.parts.weights) != model.memory_plan.budget:
+            raise InvalidArgumentError("this model already runs under another memory budget; load it again to change it")
+        return model
+    offload_model(model, memory_budget, needs, offload_io, layer_store)
+    return model

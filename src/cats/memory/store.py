@@ -1,0 +1,405 @@
+"""The layer store: a model's weights split into one safetensors file per part (embeddings, final norm, lm_head,
+each decoder layer), in the dtype the model runs in, made once and kept under ``$CATS_CACHE/layers/``.
+
+Layout of a store folder::
+
+    store.json          format, model fingerprint, dtype, source, and each part's file name and size
+    embed.safetensors   model.embed_tokens (tensor names relative to the part's module: "weight")
+    norm.safetensors    model.norm
+    lm_head.safetensors lm_head (absent when tied to the embeddings)
+    layer-000.safetensors ... one per decoder layer ("self_attn.q_proj.weight", ...)
+
+Every part file is a valid safetensors file whose header is padded with spaces (the format allows it) so that the
+tensor data starts at a multiple of 4096 bytes: a part is then read with one ``preadv`` (``O_DIRECT`` possible)
+into a page-aligned buffer, and its tensors are views of that buffer.
+
+A store is built from the checkpoint tensor by tensor (`build_from_checkpoint`: memory stays at one tensor, so a
+model that does not fit in memory can still be stored) or from a model already in memory (`build_from_model`).
+It is written into a temporary folder and renamed into place, so an interrupted build never looks finished; free
+disk space is checked before writing. Opening checks the format, the model fingerprint, the dtype and every file's
+size, so a truncated file or a store of another model is caught before any token is generated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cats.errors import CatsError
+from cats.memory.budget import MIB, STORE_ALIGNMENT, mib, round_up
+
+FORMAT = "cats-layer-store/1"
+META_FILE = "store.json"
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+
+
+class StoreError(CatsError):
+    """A layer store that is missing, damaged, made from another model, or cannot be written."""
+
+
+# --------------------------------------------------------------------------------------------- part files
+@dataclass(frozen=True)
+class TensorEntry:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # byte offsets relative to the start of the data
+    end: int
+
+
+@dataclass(frozen=True)
+class PartHeader:
+    path: Path
+    data_start: int  # file offset of the tensor data (a multiple of STORE_ALIGNMENT in files this module writes)
+    data_bytes: int
+    entries: dict[str, TensorEntry]
+
+    @property
+    def layout(self) -> tuple:
+        """What two parts must share for one buffer layout to serve both (names, dtypes, shapes, offsets)."""
+        return tuple((name, e.dtype, e.shape, e.begin, e.end) for name, e in sorted(self.entries.items()))
+
+    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The part's tensors as views of ``buffer`` (uint8, holding the data section from offset 0)."""
+        return {name: buffer[e.begin:e.end].view(e.dtype).view(e.shape) for name, e in self.entries.items()}
+
+
+def write_part(path: Path, tensors: dict[str, torch.Tensor]) -> int:
+    """Write ``tensors`` as a safetensors file whose data starts at a multiple of 4096; fsync it and drop it from the
+    page cache. Tensors are ordered by element size (largest first) so every offset is aligned for its dtype.
+    Returns the file size."""
+    items = sorted(tensors.items(), key=lambda item: (-item[1].element_size(), item[0]))
+    header, offset = {}, 0
+    for name, tensor in items:
+        if tensor.dtype not in DTYPE_NAMES:
+            raise StoreError(f"cannot store tensor {name!r} of dtype {tensor.dtype}")
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (round_up(8 + len(raw)) - 8 - len(raw))
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(raw)))
+        handle.write(raw)
+        for _, tensor in items:
+            handle.write(memoryview(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()))
+        handle.flush()
+        os.fsync(handle.fileno())
+        os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return 8 + len(raw) + offset
+
+
+def read_header(path: Path) -> PartHeader:
+    """Parse a safetensors header; refuse a file shorter than its header says (truncated) or with gaps."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise StoreError(f"layer file {path} is truncated ({size} bytes, not even a header)")
+            length = struct.unpack("<Q", prefix)[0]
+            if length > size - 8:
+                raise StoreError(f"layer file {path} is truncated: its header needs {length} bytes, the file has {size}")
+            header = json.loads(handle.read(length))
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # the header's pages and read-ahead
+    except OSError as error:
+        raise StoreError(f"cannot read layer file {path}: {error.strerror or error}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise StoreError(f"layer file {path} has a damaged header") from None
+    header.pop("__metadata__", None)
+    entries, end = {}, 0
+    for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+        begin, stop = info["data_offsets"]
+        if info["dtype"] not in SAFETENSORS_DTYPES or begin != end:
+            raise StoreError(f"layer file {path} is damaged (tensor {name!r})")
+        entries[name] = TensorEntry(SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), begin, stop)
+        end = stop
+    data_start = 8 + length
+    if size < data_start + end:
+        raise StoreError(f"layer file {path} is truncated: {size} bytes, its header promises {data_start + end}; "
+                         "delete the store folder to rebuild it")
+    return PartHeader(path, data_start, end, entries)
+
+
+def pread_exact(fd: int, buffer: memoryview, offset: int, nbytes: int, path: Path) -> None:
+    """Read ``nbytes`` at ``offset`` into ``buffer`` (which may be longer: O_DIRECT reads whole aligned blocks),
+    looping over short reads; a read that ends early means the file was truncated."""
+    done = 0
+    while done < nbytes:
+        try:
+            count = os.preadv(fd, [buffer[done:]], offset + done)
+        except OSError as error:
+            raise StoreError(f"reading {path} failed: {error.strerror or error}") from None
+        if count <= 0:
+            raise StoreError(f"layer file {path} is truncated: read {done} of {nbytes} bytes; delete the store "
+                             "folder to rebuild it")
+        done += count
+
+
+def read_part(header: PartHeader) -> dict[str, torch.Tensor]:
+    """A part's tensors in one freshly allocated buffer (buffered read, then dropped from the page cache)."""
+    buffer = torch.empty(header.data_bytes, dtype=torch.uint8)
+    fd = os.open(header.path, os.O_RDONLY)
+    try:
+        pread_exact(fd, memoryview(buffer.numpy()), header.data_start, header.data_bytes, header.path)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return header.views(buffer)
+
+
+# --------------------------------------------------------------------------------------------- parts of a model
+def part_name(layer: int) -> str:
+    return f"layer-{layer:03d}"
+
+
+def part_modules(hf_model) -> dict[str, tuple[str, torch.nn.Module]]:
+    """``{part: (module path, module)}`` in store order; lm_head only when it is not tied to the embeddings."""
+    decoder = hf_model.model
+    parts = {"embed": ("model.embed_tokens", decoder.embed_tokens), "norm": ("model.norm", decoder.norm)}
+    if hf_model.lm_head.weight is not decoder.embed_tokens.weight:
+        parts["lm_head"] = ("lm_head", hf_model.lm_head)
+    for i, layer in enumerate(decoder.layers[: hf_model.config.num_hidden_layers]):
+        parts[part_name(i)] = (f"model.layers.{i}", layer)
+    covered = {f"{prefix}.{name}" for prefix, module in parts.values() for name, _ in module.named_parameters()}
+    missing = [name for name, _ in hf_model.named_parameters() if name not in covered]
+    if missing:
+        raise StoreError(f"parameters outside embeddings, norm, lm_head and layers cannot be stored yet: {missing[:5]}")
+    return parts
+
+
+def part_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+# --------------------------------------------------------------------------------------------- the store
+@dataclass
+class LayerStore:
+    folder: Path
+    meta: dict
+
+    @property
+    def fingerprint(self) -> str:
+        return self.meta["fingerprint"]
+
+    def path(self, part: str) -> Path:
+        return self.folder / self.meta["parts"][part]["file"]
+
+    def header(self, part: str) -> PartHeader:
+        return read_header(self.path(part))
+
+    def layer_header(self, layer: int) -> PartHeader:
+        return self.header(part_name(layer))
+
+
+def open_store(folder: Path, fingerprint: str, dtype: torch.dtype, num_layers: int, config=None) -> LayerStore:
+    """Open and check a store: format, recorded model fingerprint, dtype, the size of every part file, and (with
+    ``config``) the fingerprint of the lm_head it actually holds."""
+    folder = Path(folder)
+    meta_file = folder / META_FILE
+    try:
+        meta = json.loads(meta_file.read_text())
+    except FileNotFoundError:
+        raise StoreError(f"{folder} is not a layer store (no {META_FILE})") from None
+    except (OSError, json.JSONDecodeError) as error:
+        raise StoreError(f"cannot read {meta_file}: {error}") from None
+    if meta.get("format") != FORMAT:
+        raise StoreError(f"{folder} is not a {FORMAT} layer store")
+    if meta.get("fingerprint") != fingerprint:
+        raise StoreError(f"layer store {folder} was made from another model (fingerprint {meta.get('fingerprint')}, "
+                         f"this model's is {fingerprint}); remove it or choose another folder")
+    if meta.get("dtype") != str(dtype).removeprefix("torch.") or meta.get("num_layers") != num_layers:
+        raise StoreError(f"layer store {folder} holds {meta.get('num_layers')} layers in {meta.get('dtype')}, "
+                         f"not {num_layers} in {str(dtype).removeprefix('torch.')}")
+    for part, info in meta["parts"].items():
+        path = folder / info["file"]
+        size = path.stat().st_size if path.is_file() else None
+        if size != info["size"]:
+            state = "is missing" if size is None else f"has {size} bytes, not {info['size']} (truncated or damaged)"
+            raise StoreError(f"layer file {path} {state}; delete {folder} to rebuild the store")
+    store = LayerStore(folder, meta)
+    if config is not None:
+        from cats.model.identity import fingerprint_of, fingerprint_rows
+
+        head = store.header("lm_head" if "lm_head" in meta["parts"] else "embed")
+        held = fingerprint_of(config, read_tensor(head, "weight", fingerprint_rows(head.entries["weight"].shape[0])))
+        if held != fingerprint:
+            raise StoreError(f"layer store {folder} holds the lm_head of another model (fingerprint {held}, this "
+                             f"model's is {fingerprint}); remove it or choose another folder")
+    return store
+
+
+def default_store_folder(fingerprint: str, dtype: torch.dtype, source_digest: str) -> Path:
+    from cats.model.load import cache_root
+
+    return cache_root() / "layers" / f"{fingerprint}-{str(dtype).removeprefix('torch.')}-{source_digest[:12]}"
+
+
+def ensure_store(folder: Path | None, fingerprint: str, dtype: torch.dtype, config, source: dict,
+                 parts: dict[str, int], write) -> LayerStore:
+    """Open the store, or build it with ``write(staging_folder) -> {part: file size}`` when it is absent.
+
+    ``folder`` None: the default folder under ``$CATS_CACHE/layers`` (named by fingerprint, dtype and source); a
+    damaged store there is rebuilt. An explicit folder is never overwritten: a store of another model or a damaged
+    one there is an error. ``parts`` maps each part to its data bytes (for the free-space check)."""
+    explicit, num_layers = folder is not None, config.num_hidden_layers
+    folder = Path(folder) if explicit else default_store_folder(fingerprint, dtype, source["digest"])
+    if (folder / META_FILE).is_file():
+        try:
+            return open_store(folder, fingerprint, dtype, num_layers, config)
+        except StoreError as error:
+            if explicit:
+                raise
+            warnings.warn(f"rebuilding the layer store: {error}")
+            shutil.rmtree(folder, ignore_errors=True)
+    elif explicit and folder.exists() and any(folder.iterdir()):
+        raise StoreError(f"{folder} exists and is not a layer store; pass an empty or new folder")
+    build(folder, fingerprint, dtype, num_layers, source, parts, write)
+    return open_store(folder, fingerprint, dtype, num_layers, config)
+
+
+def build(folder: Path, fingerprint: str, dtype: torch.dtype, num_layers: int, source: dict, parts: dict[str, int],
+          write) -> None:
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    needed = sum(round_up(size) + 2 * STORE_ALIGNMENT for size in parts.values()) + MIB
+    free = shutil.disk_usage(folder.parent).free
+    if free < needed:
+        raise StoreError(f"no room for the layer store: it needs {mib(needed)} in {folder.parent}, only {mib(free)} "
+                         "are free; free some disk space or set CATS_CACHE to a larger disk")
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        sizes = write(staging)
+        meta = {"format": FORMAT, "fingerprint": fingerprint, "dtype": str(dtype).removeprefix("torch."),
+                "num_layers": num_layers, "source": source, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "parts": {part: {"file": f"{part}.safetensors", "size": size} for part, size in sizes.items()}}
+        (staging / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        try:
+            staging.rename(folder)
+        except OSError:  # another process finished the same store first
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise StoreError(f"writing the layer store in {folder.parent} failed: {error.strerror or error}") from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+# --------------------------------------------------------------------------------------------- building
+def model_source(hf_model) -> dict:
+    """Source record of a model in memory: a digest of a strided sample of every tensor (so that two different
+    models with the same lm_head, e.g. fine-tunes, never share a store)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(hf_model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 64)][:64].to(torch.float64)
+        digest.update(name.encode() + sample.numpy().tobytes())
+    return {"kind": "memory", "digest": digest.hexdigest()}
+
+
+def write_from_model(hf_model):
+    """A ``write`` function for `ensure_store` that stores the parameters of a model in memory."""
+    def write(staging: Path) -> dict[str, int]:
+        return {part: write_part(staging / f"{part}.safetensors", dict(module.named_parameters()))
+                for part, (_, module) in part_modules(hf_model).items()}
+    return write
+
+
+class Checkpoint:
+    """The tensors of a safetensors checkpoint folder (one file or an index of shards), read without mapping it."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise StoreError(f"{folder} holds no .safetensors files to build a layer store from")
+        self.headers = [read_header(path) for path in files]
+        self.where = {name: header for header in self.headers for name in header.entries}
+
+    def source(self) -> dict:
+        """Path, names, sizes and modification times of the checkpoint files; their digest keys the store."""
+        files = [{"name": h.path.name, "size": h.path.stat().st_size, "mtime_ns": h.path.stat().st_mtime_ns}
+                 for h in self.headers]
+        digest = hashlib.sha256(json.dumps([str(self.folder.resolve()), files]).encode()).hexdigest()
+        return {"kind": "checkpoint", "folder": str(self.folder.resolve()), "files": files, "digest": digest}
+
+    def find(self, name: str, aliases: dict[str, str]) -> tuple[PartHeader, TensorEntry]:
+        for candidate in (name, aliases.get(name)):
+            if candidate is not None and candidate in self.where:
+                header = self.where[candidate]
+                return header, header.entries[candidate]
+        raise StoreError(f"checkpoint {self.folder} has no tensor {name!r}; a layer store can be built from "
+                         "checkpoints whose tensor names are the model's parameter names")
+
+    def read(self, name: str, aliases: dict[str, str], rows: slice | None = None) -> torch.Tensor:
+        header, _ = self.find(name, aliases)
+        return read_tensor(header, name if name in header.entries else aliases[name], rows)
+
+
+def read_tensor(header: PartHeader, name: str, rows: slice | None = None) -> torch.Tensor:
+    """One tensor of a safetensors file (or a strided selection of its rows), read with ``pread`` into fresh
+    memory (no mapping) and dropped from the page cache."""
+    entry = header.entries[name]
+    row_numel = 1
+    for dim in entry.shape[1:]:
+        row_numel *= dim
+    row_bytes = row_numel * entry.dtype.itemsize
+    fd = os.open(header.path, os.O_RDONLY)
+    try:
+        if rows is None:
+            out = torch.empty(entry.end - entry.begin, dtype=torch.uint8)
+            pread_exact(fd, memoryview(out.numpy()), header.data_start + entry.begin, out.numel(), header.path)
+            tensor = out.view(entry.dtype).view(entry.shape)
+        else:
+            indices = range(entry.shape[0])[rows]
+            out = torch.empty(len(indices), row_bytes, dtype=torch.uint8)
+            for i, row in enumerate(indices):
+                pread_exact(fd, memoryview(out[i].numpy()), header.data_start + entry.begin + row * row_bytes,
+                            row_bytes, header.path)
+            tensor = out.view(entry.dtype).view(len(indices), *entry.shape[1:])
+        os.posix_fadvise(fd, header.data_start + entry.begin, entry.end - entry.begin, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return tensor
+
+
+def tied_aliases(hf_model) -> dict[str, str]:
+    """Tied parameter names in both directions (a tied checkpoint stores one of them, which one varies)."""
+    tied = dict(getattr(hf_model, "all_tied_weights_keys", None) or {})
+    return {**tied, **{source: target for target, source in tied.items()}}
+
+
+def write_from_checkpoint(checkpoint: Checkpoint, hf_model, dtype: torch.dtype):
+    """A ``write`` function for `ensure_store` that copies a checkpoint into parts, converted to ``dtype``, with
+    one part in memory at a time (the checkpoint is read with ``pread``, never mapped whole). ``hf_model``
+    (parameters may be on the meta device) gives the part structure."""
+    aliases = tied_aliases(hf_model)
+
+    def write(staging: Path) -> dict[str, int]:
+        sizes = {}
+        for part, (prefix, module) in part_modules(hf_model).items():
+            tensors = {name: checkpoint.read(f"{prefix}.{name}", aliases).to(dtype) for name, _ in module.named_parameters()}
+            for name, parameter in module.named_parameters():
+                if tuple(tensors[name].shape) != tuple(parameter.shape):
+                    raise StoreError(f"checkpoint tensor {prefix}.{name} has shape {list(tensors[name].shape)}, the "
+                                     f"model expects {list(parameter.shape)}")
+            sizes[part] = write_part(staging / f"{part}.safetensors", tensors)
+            del tensors
+        return sizes
+    return write

@@ -1,0 +1,129 @@
+"""Budget parsing, the planner's arithmetic on a hand-computed case, the below-minimum error, the per-method needs,
+and the speculation bucket chosen from hand-made I/O and compute times."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cats.errors import InvalidArgumentError
+from cats.memory.budget import (BudgetTooSmallError, MemoryNeeds, PartSizes, kv_cache_bytes, parse_budget,
+                                plan_memory)
+from cats.memory.speculation import BUCKETS, choose_bucket
+from tests.conftest import tiny_model
+
+KIB, MIB = 1 << 10, 1 << 20
+
+
+def test_parse_budget():
+    assert parse_budget("300MiB", 0) == 300 * MIB
+    assert parse_budget("1.5GB", 0) == 1_500_000_000
+    assert parse_budget(" 2 GiB ", 0) == 2 << 30
+    assert parse_budget("512m", 0) == 512 * MIB  # bare letters are binary
+    assert parse_budget("64KB", 0) == 64_000
+    assert parse_budget("123456", 0) == 123456
+    assert parse_budget(4096, 0) == 4096
+    assert parse_budget("50%", 1000) == 500
+    assert parse_budget("12.5%", 800) == 100
+    assert parse_budget("150%", 800) == 1200  # weights plus room for the KV cache and activations
+    for bad in ("abc", "0", "0MiB", "0%", "-5MB", "5 parsecs", "", "MiB"):
+        with pytest.raises(InvalidArgumentError, match="memory budget"):
+            parse_budget(bad, 1000)
+
+
+def hand_case(budget: int, prefetch: int = 1):
+    """embeddings 16 KiB (tied), norm 0, six 8 KiB layers, adapters 4 KiB, KV 4 KiB, activations 8 KiB."""
+    parts = PartSizes(embed=16 * KIB, norm=0, lm_head=0, layers=[8 * KIB] * 6)
+    needs = MemoryNeeds(context_tokens=10, min_resident_layers=1, adapter_bytes=4 * KIB, prefetch=prefetch)
+    return plan_memory(budget, parts, needs, kv_bytes=4 * KIB, activation=8 * KIB)
+
+
+def test_planner_hand_computed():
+    # fixed 32 KiB; keeping r layers costs 32 + 8 r + 8 * min(prefetch + 1, 6 - r) KiB
+    plan = hand_case(70_000)
+    assert plan.resident_layers == 2 and list(plan.streamed) == [2, 3, 4, 5]
+    assert plan.pool_slots == 2 and plan.slot_bytes == 8 * KIB and plan.pool_bytes == 16 * KIB
+    assert plan.planned_bytes == 64 * KIB <= 70_000
+    assert plan.bytes_per_pass == 32 * KIB  # four streamed layers read per pass
+    assert plan.minimum == 56 * KIB  # one resident layer + two buffers
+    assert hand_case(56 * KIB).resident_layers == 1
+    full = hand_case(80 * KIB)
+    assert full.resident_layers == 6 and not full.streamed and full.pool_slots == 0  # all fits: nothing streams
+    text = plan.describe()
+    assert "streamed layers [2, 6) (4 of 6): 32.0 KiB read per verification pass" in text
+    assert "stream buffers (2 x 8.0 KiB)" in text and "resident layers [0, 2)" in text
+    assert plan.to_dict()["streamed_layers"] == [2, 6]
+
+
+def test_more_prefetch_costs_buffers():
+    assert hand_case(70_000, prefetch=0).resident_layers == 3  # one buffer: one more layer fits
+    assert hand_case(70_000, prefetch=2).resident_layers == 1
+
+
+def test_budget_below_minimum_names_it():
+    with pytest.raises(BudgetTooSmallError, match=r"below the minimum of 56.0 KiB .*at least 56KiB") as error:
+        hand_case(56 * KIB - 1)
+    assert "resident layers [0, 1) 8.0 KiB" in str(error.value) and "stream buffers" in str(error.value)
+
+
+def test_kv_cache_bytes():
+    model = tiny_model("llama")  # 4 layers, 2 KV heads of 16 dims, float64
+    assert kv_cache_bytes(model.config, 8, tokens=10) == 2 * 2 * 16 * 8 * 10 * 4
+    assert kv_cache_bytes(model.config, 8, tokens=10, extra_layers=1) == 2 * 2 * 16 * 8 * 10 * 5
+
+
+def test_part_sizes_are_the_real_parameter_bytes():
+    model = tiny_model("gemma3")  # tied lm_head: counted once
+    parts = PartSizes.of(model.hf_model)
+    assert parts.lm_head == 0
+    assert parts.weights == sum(p.numel() * p.element_size() for p in model.hf_model.parameters())
+    untied = PartSizes.of(tiny_model("llama").hf_model)
+    assert untied.lm_head == untied.embed == 96 * 64 * 8
+
+
+def test_memory_needs_per_method(tmp_path):
+    from cats.draft.adapter import new_adapter
+    from cats.memory.offload import memory_needs
+
+    model = tiny_model("llama")
+    new_adapter(model, "draft", 1, vocab_subset=list(range(10))).save(tmp_path / "draft")
+    new_adapter(model, "shallow", 2).save(tmp_path / "shallow")
+    config, dtype = model.config, torch.float64
+    assert memory_needs(config, dtype, "ar", context_tokens=50).min_resident_layers == 0
+    assert memory_needs(config, dtype, "pld").max_tree_tokens == 11
+    early = memory_needs(config, dtype, "early-exit", draft_layer=3, num_draft_tokens=5)
+    assert (early.min_resident_layers, early.max_tree_tokens) == (3, 6)
+    tree = memory_needs(config, dtype, "tree")
+    assert tree.min_resident_layers == 1 and tree.max_tree_tokens == max(b.total_tokens for b in BUCKETS) + 1
+    cats = memory_needs(config, dtype, "cats", adapters=str(tmp_path), total_tokens=8)
+    block = sum(p.numel() for p in model.layers[0].parameters()) + 64  # decoder block + its norm
+    draft_bytes = (block + 10 * 64) * 8 + 10 * 8  # the 10 lm_head rows of its vocabulary, and their ids
+    assert (cats.min_resident_layers, cats.shallow_layers) == (1, 2)  # draft layers resident, shallow ones if room
+    assert cats.extra_cache_layers == 2 and cats.max_tree_tokens == 17
+    assert cats.adapter_bytes == draft_bytes + block * 8
+
+
+def test_choose_bucket_from_io_and_compute():
+    tree_compute = {17: 0.05, 33: 0.09, 65: 0.2}
+    assert choose_bucket(0.01, tree_compute) == BUCKETS[0]  # nothing fits: the smallest
+    assert choose_bucket(0.05, tree_compute) == BUCKETS[0]
+    assert choose_bucket(0.1, tree_compute) == BUCKETS[1]
+    assert choose_bucket(0.3, tree_compute) == BUCKETS[2]
+    chain_compute = {5: 0.02, 7: 0.03, 9: 0.5}
+    assert choose_bucket(0.04, chain_compute, chain=True).num_draft_tokens == 6
+
+
+def test_the_budget_caps_the_tree_it_reserves():
+    from cats.memory.offload import memory_needs, plan_for
+    from cats.memory.speculation import BUCKETS
+
+    model = tiny_model("llama")
+    auto = lambda: memory_needs(model.config, torch.float64, "tree", context_tokens=32)  # noqa: E731
+    roomy = plan_for(model.hf_model, 1 << 40, auto())
+    assert roomy.needs.max_tree_tokens == BUCKETS[-1].total_tokens + 1
+    smallest = memory_needs(model.config, torch.float64, "tree", context_tokens=32,
+                            total_tokens=BUCKETS[0].total_tokens)
+    tight = plan_for(model.hf_model, plan_for(model.hf_model, 1 << 40, smallest).minimum, auto())
+    assert tight.needs.max_tree_tokens == BUCKETS[0].total_tokens + 1  # only the smallest bucket's activations fit
+    with pytest.raises(BudgetTooSmallError, match=f"activations \\({BUCKETS[0].total_tokens + 1}-token pass\\)"):
+        plan_for(model.hf_model, tight.minimum - 1, auto())

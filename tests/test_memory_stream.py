@@ -1,0 +1,244 @@
+"""Streaming under a memory budget: every method stays lossless with most layers streamed (tiny float64 models,
+against transformers' greedy decoding), the reader reads layers in the order passes use them, the counters add up,
+the streamed parameters are not kept between uses, and the page cache does not keep the store."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from cats.draft import EarlyExitDrafter, make_drafter
+from cats.errors import InvalidArgumentError
+from cats.generate import GenerationConfig, Generator
+from cats.memory import MemoryNeeds, offload_model, plan_for
+from cats.memory.rss import page_cache_bytes, peak_rss_bytes, reset_peak_rss
+from cats.memory.stream import LayerStreamer
+from cats.model import LayeredModel
+from tests.conftest import VOCAB, hf_greedy, tiny_config
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+LAYERS = 8
+NEW_TOKENS = 24
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CATS_CACHE", str(tmp_path / "cache"))
+
+
+def deep_model(family: str, seed: int = 0) -> LayeredModel:
+    """An 8-layer tiny model whose shallow exits often agree with the full model (so drafts are accepted)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_config(family)
+    config.num_hidden_layers = LAYERS
+    if getattr(config, "layer_types", None):
+        config.layer_types = (config.layer_types * LAYERS)[:LAYERS]
+    hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float64, attn_implementation="sdpa")
+    with torch.no_grad():
+        for layer in hf_model.model.layers[1:]:
+            layer.self_attn.o_proj.weight.mul_(0.1)
+            layer.mlp.down_proj.weight.mul_(0.1)
+    return LayeredModel(hf_model.eval(), tokenizer=None, name=f"deep-{family}")
+
+
+def offload(model, resident: int, needs: MemoryNeeds, io: str = "direct"):
+    budget = plan_for(model.hf_model, 1 << 40, needs).with_resident(resident).planned_bytes
+    plan = offload_model(model, budget, needs, io=io)
+    assert plan.resident_layers == resident and len(plan.streamed) == LAYERS - resident
+    return plan
+
+
+def prompts():
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, VOCAB, (12,), generator=g).tolist(), torch.randint(3, VOCAB, (6,), generator=g).tolist() * 3]
+
+
+@pytest.mark.parametrize("family, prompt_indices", [("llama", (0, 1)), ("qwen2-swa", (1,)), ("gemma3", (1,))])
+def test_every_method_is_lossless_while_streaming(family, prompt_indices, tmp_path):
+    from cats.cascade import make_scorer
+    from cats.draft.adapter import new_adapter
+
+    model = deep_model(family)
+    chosen = [prompts()[i] for i in prompt_indices]
+    expected = [hf_greedy(model, prompt, NEW_TOKENS) for prompt in chosen]
+    adapters = tmp_path / "adapters"
+    new_adapter(model, "draft", 1).save(adapters / "draft")
+    new_adapter(model, "shallow", 2).save(adapters / "shallow")
+    deep_shallow = tmp_path / "deep-shallow"
+    shutil.copytree(adapters / "draft", deep_shallow / "draft")
+    new_adapter(model, "shallow", 4).save(deep_shallow / "shallow")
+    assert offload(model, 2, MemoryNeeds(context_tokens=64, min_resident_layers=2, max_tree_tokens=33,
+                                         prefetch=1)).pool_slots == 2
+    assert all(p.device.type == "meta" for layer in model.layers[2:] for p in layer.parameters())
+    methods = [("ar", {}), ("pld", {"num_draft_tokens": 4}), ("early-exit", {"draft_layer": 1, "num_draft_tokens": 3}),
+               ("tree", {"draft_layer": 1, "total_tokens": 12}), ("cats", {"adapters": str(adapters), "total_tokens": 8})]
+    for method, options in methods:
+        drafter = make_drafter(method, model, **options)
+        scorer = make_scorer(method, model, drafter, options.get("adapters"))
+        for prompt, reference in zip(chosen, expected):
+            result = Generator(model, drafter, method=method, scorer=scorer).generate(
+                prompt, GenerationConfig(max_new_tokens=NEW_TOKENS))
+            assert result.token_ids == reference, f"{family} {method}"
+            counts = result.stats.offload
+            assert counts["acquires"] == result.stats.target_forwards * (LAYERS - 2), method  # one sweep per pass
+            assert counts["out_of_order"] == 0 and counts["streamed_layers"] == [2, LAYERS]
+            assert counts["layers_read"] >= counts["acquires"] - 2  # at most the pool was read before it began
+    assert all(p.device.type == "meta" for layer in model.layers[2:] for p in layer.parameters()), "dropped again"
+    # a shallow verifier above the resident layers: [2, 4) stream in the same sweep, the cascade only prunes
+    drafter = make_drafter("cats", model, adapters=str(deep_shallow), total_tokens=8)
+    scorer = make_scorer("cats", model, drafter, str(deep_shallow))
+    assert scorer.corrections is False
+    for prompt, reference in zip(chosen, expected):
+        result = Generator(model, drafter, method="cats", scorer=scorer).generate(
+            prompt, GenerationConfig(max_new_tokens=NEW_TOKENS))
+        assert result.token_ids == reference, f"{family} cats with streamed shallow layers"
+        assert result.stats.offload["out_of_order"] == 0  # one sweep per pass
+    model.close()
+
+
+def test_drafts_are_accepted_while_streaming():
+    """The lossless test above must cover acceptance, not just rejection: one pass verifies several tokens."""
+    model = deep_model("llama")
+    offload(model, 1, MemoryNeeds(context_tokens=64, min_resident_layers=1, max_tree_tokens=17, prefetch=1))
+    result = Generator(model, make_drafter("tree", model, draft_layer=1)).generate(
+        prompts()[1], GenerationConfig(max_new_tokens=NEW_TOKENS))
+    assert result.stats.mean_accepted > 1.5
+    assert result.stats.offload["acquires"] == result.stats.target_forwards * (LAYERS - 1)
+    model.close()
+
+
+@pytest.mark.parametrize("io", ["direct", "buffered"])
+def test_reader_follows_the_access_order_and_counters_add_up(io, monkeypatch):
+    order: list[int] = []
+    read = LayerStreamer._read
+
+    def recording_read(self, layer, slot):
+        order.append(layer)
+        return read(self, layer, slot)
+
+    monkeypatch.setattr(LayerStreamer, "_read", recording_read)
+    model = deep_model("llama")
+    expected = hf_greedy(model, prompts()[0], NEW_TOKENS)
+    plan = offload(model, 3, MemoryNeeds(context_tokens=64, prefetch=2), io=io)
+    result = Generator(model).generate(prompts()[0], GenerationConfig(max_new_tokens=NEW_TOKENS))
+    assert result.token_ids == expected
+    model.close()  # waits for the read in flight, so that the counters and the recorded order agree
+    counters = model.weights.snapshot()
+    streamed = list(range(3, LAYERS))
+    assert counters.acquires == result.stats.target_forwards * len(streamed)  # prefill + one pass per token (ar)
+    assert len(order) == counters.layers_read >= counters.acquires
+    assert order == (streamed * (len(order) // len(streamed) + 1))[: len(order)], "reads follow the access order"
+    assert counters.layers_read - counters.acquires <= plan.pool_slots  # read ahead by at most the pool
+    layer_bytes = model.weights.headers[3].data_bytes
+    assert counters.bytes_read == counters.layers_read * layer_bytes
+    assert 0.0 <= counters.hidden_fraction <= 1.0 and counters.read_s > 0
+    assert counters.stall_s <= result.stats.wall_s and counters.stalls <= counters.acquires
+    stats = result.stats.offload
+    assert stats["io"] == io and 0 <= stats["hidden_fraction"] <= 1
+    # every read was dropped from the page cache (direct: never in it): the streamed files are not kept there
+    assert page_cache_bytes(model.weights.store_files()) == 0
+
+
+def test_out_of_order_use_is_still_correct():
+    model = deep_model("llama")
+    reference = model.hf_model.model.layers
+    hidden = torch.randn(1, 5, 64, dtype=torch.float64)
+    cache = model.new_cache()
+    expected = model.forward_layers(hidden, 0, LAYERS, cache)
+    offload(model, 2, MemoryNeeds(context_tokens=64, prefetch=1))
+    assert reference[5].mlp.up_proj.weight.device.type == "meta"
+    for stop in (5, 3, 8, 6):  # a pass abandoned at layer `stop`: the next pass starts out of access order
+        model.forward_layers(hidden, 0, stop, model.new_cache())
+        assert torch.equal(model.forward_layers(hidden, 0, LAYERS, model.new_cache()), expected)
+    assert model.weights.snapshot().out_of_order == 3
+    model.close()
+
+
+def test_drafter_needs_resident_draft_layers():
+    model = deep_model("llama")
+    offload(model, 1, MemoryNeeds(context_tokens=64, min_resident_layers=1, max_tree_tokens=9, prefetch=1))
+    with pytest.raises(InvalidArgumentError, match=r"runs layers \[0, 3\) every draft step.*only \[0, 1\) resident"):
+        make_drafter("early-exit", model, draft_layer=3)
+    make_drafter("early-exit", model, draft_layer=1)
+    model.close()
+
+
+def test_planned_context_is_enforced():
+    model = deep_model("llama")
+    offload(model, 1, MemoryNeeds(context_tokens=20, prefetch=1))
+    with pytest.raises(InvalidArgumentError, match="reserved KV cache for 20 tokens"):
+        Generator(model).generate(prompts()[0], GenerationConfig(max_new_tokens=10))
+    model.close()
+
+
+def test_speculation_bucket_is_chosen_once_from_the_measured_io():
+    from cats.memory.speculation import BUCKETS
+
+    model = deep_model("llama")
+    offload(model, 1, MemoryNeeds(context_tokens=64, min_resident_layers=1, max_tree_tokens=65, prefetch=1))
+    drafter = make_drafter("tree", model, draft_layer=1)
+    bucket, info = model._speculation[False]
+    assert bucket in BUCKETS and (drafter.total_tokens, drafter.depth, drafter.tree_topk) == (
+        bucket.total_tokens, bucket.depth, bucket.tree_topk)
+    assert info["io_s_per_pass"] > 0 and set(info["compute_s"]) == {str(b.tree_pass_tokens) for b in BUCKETS}
+    assert make_drafter("tree", model, draft_layer=1, total_tokens=5).total_tokens == 5  # explicit wins
+    assert isinstance(make_drafter("early-exit", model, draft_layer=1), EarlyExitDrafter)
+    model.close()
+
+
+def test_peak_rss_helpers():
+    assert reset_peak_rss()
+    before = peak_rss_bytes()
+    block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
+    assert peak_rss_bytes() >= before + (60 << 20)
+    del block
+
+
+STORIES = __import__("pathlib").Path(__file__).resolve().parents[1].parent / "shared" / "data" / "stories260k-gguf" / "hf"
+
+
+@pytest.mark.skipif(not STORIES.is_dir(), reason="../shared/data is not available")
+def test_cli_prints_the_plan_and_streaming_stats(capsys):
+    import json
+
+    from cats.cli import main
+
+    args = ["generate", "--model", str(STORIES), "--prompt", "Once upon a time", "--max-new-tokens", "12",
+            "--method", "early-exit", "--draft-layer", "1", "-k", "2", "--json", "--stats"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(args + ["--memory-budget", "95%", "--prefetch", "1", "--offload-io", "buffered"]) == 0
+    captured = capsys.readouterr()
+    budgeted = json.loads(captured.out.strip().splitlines()[-1])
+    assert budgeted["token_ids"] == plain["token_ids"]
+    first, last = budgeted["stats"]["offload"]["streamed_layers"]
+    assert 1 <= first < last == 5  # draft layer resident, deeper ones streamed
+    assert "memory plan: budget" in captured.err and f"streamed layers [{first}, 5)" in captured.err
+    assert f"offload: layers [{first}, 5) streamed (buffered)" in captured.err and "peak RSS" in captured.err
+    assert budgeted["stats"]["offload"]["acquires"] == (5 - first) * budgeted["stats"]["target_forwards"]
+    assert main(args + ["--memory-budget", "1%"]) == 2
+    assert "below the minimum of" in capsys.readouterr().err
+    assert main(args + ["--prefetch", "1"]) == 2
+    assert "--prefetch applies with --memory-budget only" in capsys.readouterr().err
+
+
+def test_generate_api_under_a_budget(tmp_path):
+    import cats
+    from cats.memory import memory_needs
+
+    model = deep_model("llama")
+    folder = tmp_path / "model"
+    model.hf_model.save_pretrained(folder)
+    prompt = prompts()[1]
+    expected = hf_greedy(model, prompt, 12)
+    needs = memory_needs(model.config, torch.float64, "tree", draft_layer=1, context_tokens=len(prompt) + 12,
+                         prompt_tokens=len(prompt))
+    budget = plan_for(model.hf_model, 1 << 40, needs).with_resident(2).planned_bytes
+    result = cats.generate(str(folder), prompt, method="tree", draft_layer=1, max_new_tokens=12, dtype="float64",
+                           memory_budget=budget)
+    assert result.token_ids == expected
+    assert result.stats.offload["streamed_layers"] == [2, LAYERS] and result.stats.peak_rss_mb > 0
