@@ -66,3 +66,28 @@ def test_compile_can_be_refused(monkeypatch):
         outcome = lean.compile_layers(model)
     assert outcome == {"compiled": False, "reason": "CATS_NO_COMPILE is set", "state": {}}
     assert "forward" not in vars(model.layers[0].mlp)
+
+
+@torch.no_grad()
+def test_packed_bf16_linears_give_the_same_tokens_and_logits():
+    model = tiny_model("llama", seed=5, damp=0.1, dtype=torch.bfloat16)
+    ids = torch.tensor(PROMPT)
+    eager_logits = model.forward(ids, model.new_cache())
+    eager = tokens(model, new=16)
+    outcome = lean.pack_linears(model)
+    if outcome["reason"]:
+        pytest.skip(outcome["reason"])
+    assert outcome["packed"] == 7 * model.num_layers  # q, k, v, o, gate, up, down
+    assert torch.equal(model.forward(ids, model.new_cache()), eager_logits)
+    assert tokens(model, new=16) == eager
+    assert tokens(model, PromptLookupDrafter(num_tokens=4), new=16) == eager
+    with torch.no_grad():  # a changed weight is packed again
+        model.layers[0].mlp.down_proj.weight.mul_(0.5)
+    assert not torch.equal(model.forward(ids, model.new_cache()), eager_logits)
+    lean.unpack_linears(model)
+    assert "forward" not in vars(model.layers[0].mlp.down_proj)
+
+
+def test_packing_is_for_bf16_only():
+    model = tiny_model("llama", seed=5)
+    assert lean.pack_linears(model) == {"packed": 0, "reason": "prepacking is for bfloat16 weights, not torch.float64"}
