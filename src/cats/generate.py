@@ -25,6 +25,8 @@ from cats.sampling import Sampler, check_sampling
 from cats.stats import GenerationStats
 from cats.verify import TargetScorer
 
+DRAFT_SLACK = 64  # cache slots preallocated beyond prompt + max_new_tokens for draft tokens in flight
+
 
 @dataclass
 class GenerationConfig:
@@ -113,7 +115,9 @@ class Generator:
         start = time.perf_counter()
 
         # 1. prefill: the whole prompt in one forward; its last row gives the first new token (pending, uncached)
-        cache = model.new_cache(extra_layers=(self.drafter.cache_layers if self.drafter else 0) + self.scorer.cache_layers)
+        extra_layers = (self.drafter.cache_layers if self.drafter else 0) + self.scorer.cache_layers
+        capacity = min(len(prompt_ids) + config.max_new_tokens, model.context_length) + DRAFT_SLACK
+        cache = model.new_cache(extra_layers=extra_layers, capacity=capacity)
         state = DecodeState(model, cache, list(prompt_ids), len(prompt_ids),
                             sampler=sampler if acceptance.draws_drafts else None)
         first = sampler.next_token(self._prefill(state), position=len(prompt_ids))

@@ -1,8 +1,12 @@
 """The one KV cache shared by the target and every virtual draft model.
 
-It wraps a transformers ``DynamicCache`` whose layers are all plain ``DynamicLayer`` objects (full history,
-also for sliding-window attention: the window is applied by the attention mask, so a rollback is always
-exact), and tracks the position id of every cache slot, which masks need once tree nodes share positions.
+Every layer's K/V live in preallocated buffers (`SlotLayer`, a transformers cache layer): HF attention's
+``cache.update`` copies the new tokens' K/V into the next free slots and attends to a view of the filled prefix,
+so a decode step appends without re-copying the history (a ``DynamicLayer`` ``torch.cat``s all of it, O(context)
+per step and layer). Buffers are sized to the planned context when it is known (``capacity``) and double when
+a step needs more. Sliding-window attention keeps the full history too: the window is applied by the attention
+mask, so a rollback is always exact. The cache also tracks the position id of every slot, which masks need once
+tree nodes share positions.
 
 Invariants (every caller relies on them; ``check()`` asserts the first two):
 
@@ -19,29 +23,119 @@ from collections.abc import Iterable
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import CacheLayerMixin
+
+DEFAULT_CAPACITY = 256  # slots allocated on a layer's first write when no capacity was planned
+
+
+def _grown(buffer: torch.Tensor, filled: int, needed: int, dim: int) -> torch.Tensor:
+    """``buffer`` if it has room for ``needed`` entries along ``dim``, else a larger one (at least double) holding
+    its first ``filled`` entries."""
+    size = buffer.shape[dim]
+    if needed <= size:
+        return buffer
+    shape = list(buffer.shape)
+    shape[dim] = max(needed, 2 * size)
+    bigger = buffer.new_empty(shape)
+    bigger.narrow(dim, 0, filled).copy_(buffer.narrow(dim, 0, filled))
+    return bigger
+
+
+class SlotLayer(CacheLayerMixin):
+    """One decoder layer's K/V in preallocated ``[B, heads, capacity, head_dim]`` buffers; ``keys``/``values`` are
+    views of the first ``length`` slots. Roll back = shorten; writes go to slot ``length`` onwards."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, capacity: int | None = None):
+        super().__init__()
+        self.capacity = capacity or DEFAULT_CAPACITY
+        self.length = 0
+        self._keys = self._values = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        batch, heads, _, dim = key_states.shape
+        self._keys = key_states.new_empty((batch, heads, self.capacity, dim))
+        self._values = value_states.new_empty((batch, value_states.shape[1], self.capacity, value_states.shape[-1]))
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the new K/V to slots ``length ..`` and return views of all filled slots (what attention reads)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self.length, self.length + key_states.shape[-2]
+        self._keys = _grown(self._keys, start, end, -2)
+        self._values = _grown(self._values, start, end, -2)
+        self._keys[:, :, start:end].copy_(key_states)
+        self._values[:, :, start:end].copy_(value_states)
+        self._set_length(end)
+        return self.keys, self.values
+
+    def _set_length(self, length: int) -> None:
+        self.length = length
+        if self._keys is not None:
+            self.keys, self.values = self._keys[:, :, :length], self._values[:, :, :length]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self._set_length(0)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers 5.x semantics: a negative count removes that many slots from the end."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of slots to remove, got {tokens_to_remove}")
+        self._set_length(max(0, self.length + tokens_to_remove))
+
+    def keep(self, slots: torch.Tensor) -> None:
+        """Move the given slots (ascending) to the front, in place, and keep only them."""
+        if self._keys is None:
+            return
+        index = slots.to(self._keys.device)
+        count = index.numel()
+        self._keys[:, :, :count] = self._keys.index_select(-2, index)  # index_select copies: no aliasing
+        self._values[:, :, :count] = self._values.index_select(-2, index)
+        self._set_length(count)
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append ready K/V (``[B, heads, n, head_dim]``) behind the filled slots."""
+        self.update(keys, values)
 
 
 class KVCache:
-    """Per-layer K/V storage with crop (roll back) and keep (select tree positions) operations."""
+    """Per-layer K/V storage with crop (roll back) and keep (select tree positions) operations.
 
-    def __init__(self, num_layers: int):
+    ``capacity``: slots to preallocate per layer (e.g. prompt + new tokens + the largest draft); more are
+    allocated (doubling) if a step needs them."""
+
+    def __init__(self, num_layers: int, capacity: int | None = None):
         self.num_layers = num_layers
         self.hf_cache = DynamicCache()
-        self.hf_cache.layers = [DynamicLayer() for _ in range(num_layers)]
-        self._positions: list[torch.Tensor] = [torch.empty(0, dtype=torch.long) for _ in range(num_layers)]
+        self.hf_cache.layers = [SlotLayer(capacity) for _ in range(num_layers)]
+        initial = capacity or DEFAULT_CAPACITY
+        self._position_buffers: list[torch.Tensor] = [torch.empty(initial, dtype=torch.long) for _ in range(num_layers)]
+        self._lengths = [0] * num_layers
 
     # ---------------------------------------------------------------- reading
     def length(self, layer: int = 0) -> int:
         """Number of slots held by ``layer``."""
-        return self._positions[layer].numel()
+        return self._lengths[layer]
 
     def positions(self, layer: int = 0) -> torch.Tensor:
-        """Position ids of ``layer``'s slots, shape ``[length(layer)]``."""
-        return self._positions[layer]
+        """Position ids of ``layer``'s slots, shape ``[length(layer)]`` (a view: valid until the cache changes)."""
+        return self._position_buffers[layer][: self._lengths[layer]]
 
     def lengths(self) -> list[int]:
-        return [p.numel() for p in self._positions]
+        return list(self._lengths)
 
     def _layers(self, layers: Iterable[int] | None) -> Iterable[int]:
         return range(self.num_layers) if layers is None else layers
@@ -51,53 +145,64 @@ class KVCache:
         """Note that layers ``[start, end)`` appended slots with these position ids (``[T]``).
 
         Called by the layered forward after the HF modules have appended their K/V."""
+        count = position_ids.numel()
         for i in range(start, end):
-            self._positions[i] = torch.cat([self._positions[i], position_ids])
+            old = self._lengths[i]
+            buffer = self._position_buffers[i] = _grown(self._position_buffers[i], old, old + count, 0)
+            buffer[old: old + count] = position_ids
+            self._lengths[i] = old + count
 
     def crop(self, length: int, layers: Iterable[int] | None = None) -> None:
         """Roll ``layers`` (default: all) back to their first ``length`` slots; shorter layers are untouched."""
         for i in self._layers(layers):
-            extra = self.length(i) - length
+            extra = self._lengths[i] - length
             if extra > 0:
-                self.hf_cache.layers[i].crop(-extra)  # transformers 5.x: a negative count removes from the end
-                self._positions[i] = self._positions[i][:length]
+                self.hf_cache.layers[i].crop(-extra)
+                self._lengths[i] = length
 
     def keep(self, slots: torch.Tensor, layers: Iterable[int] | None = None) -> None:
         """Keep only the given slots (ascending ``LongTensor``), e.g. the prefix plus an accepted tree path."""
+        slots = slots.cpu()
         for i in self._layers(layers):
-            if self.length(i) == 0:
+            if self._lengths[i] == 0:
                 continue
-            layer = self.hf_cache.layers[i]
-            index = slots.to(layer.keys.device)
-            layer.keys = layer.keys.index_select(-2, index)
-            layer.values = layer.values.index_select(-2, index)
-            self._positions[i] = self._positions[i].index_select(0, slots.cpu())
+            self.hf_cache.layers[i].keep(slots)
+            buffer = self._position_buffers[i]
+            buffer[: slots.numel()] = buffer.index_select(0, slots)
+            self._lengths[i] = slots.numel()
 
     def split_off(self, length: int, layers: Iterable[int]) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Remove the slots after the first ``length`` of ``layers`` and return them (keys, values, positions per
-        layer) for `restore`: a drafter parks its own draft slots while another drafter uses the same layers."""
+        """Remove the slots after the first ``length`` of ``layers`` and return copies of them (keys, values,
+        positions per layer) for `restore`: a drafter parks its own draft slots while another drafter uses the
+        same layers."""
         parked = []
         for i in layers:
-            extra = self.length(i) - length
+            extra = self._lengths[i] - length
             if extra > 0:
                 layer = self.hf_cache.layers[i]
-                parked.append((i, layer.keys[..., length:, :], layer.values[..., length:, :], self._positions[i][length:]))
+                parked.append((i, layer.keys[:, :, length:].clone(), layer.values[:, :, length:].clone(),
+                               self.positions(i)[length:].clone()))
                 self.crop(length, [i])
         return parked
 
     def restore(self, parked: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         """Append slots removed by `split_off` back onto their layers."""
         for i, keys, values, positions in parked:
-            layer = self.hf_cache.layers[i]
-            layer.keys = torch.cat([layer.keys, keys], dim=-2)
-            layer.values = torch.cat([layer.values, values], dim=-2)
-            self._positions[i] = torch.cat([self._positions[i], positions])
+            self.hf_cache.layers[i].append(keys, values)
+            self.record(i, i + 1, positions)
+
+    def kv_bytes(self) -> int:
+        """Bytes allocated for K/V (the preallocated buffers, filled or not)."""
+        return sum(layer._keys.nbytes + layer._values.nbytes for layer in self.hf_cache.layers
+                   if layer._keys is not None)
 
     def check(self) -> None:
         """Assert invariants 1-2 (slot counts agree between K/V tensors and position records)."""
         for i, layer in enumerate(self.hf_cache.layers):
             held = layer.get_seq_length()
             assert held == self.length(i), f"layer {i}: {held} K/V slots but {self.length(i)} positions recorded"
+            if layer.is_initialized:
+                assert layer.keys.shape[-2] == held, f"layer {i}: keys view has {layer.keys.shape[-2]} slots, not {held}"
 
     def __repr__(self) -> str:
         lengths = self.lengths()

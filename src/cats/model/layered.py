@@ -135,10 +135,11 @@ class LayeredModel:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def new_cache(self, extra_layers: int = 0) -> KVCache:
+    def new_cache(self, extra_layers: int = 0, capacity: int | None = None) -> KVCache:
         """A cache for the target's layers plus ``extra_layers`` slots (indices ``num_layers ..``) that adapters
-        use for their own blocks, so that every roll-back of the target rolls them back too."""
-        return KVCache(self.num_layers + extra_layers)
+        use for their own blocks, so that every roll-back of the target rolls them back too. ``capacity``: the
+        tokens to preallocate K/V for (the cache grows past it if needed)."""
+        return KVCache(self.num_layers + extra_layers, capacity)
 
     # ------------------------------------------------------------------ forward pieces
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
