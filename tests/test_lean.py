@@ -77,7 +77,8 @@ def test_packed_bf16_linears_give_the_same_tokens_and_logits():
     outcome = lean.pack_linears(model)
     if outcome["reason"]:
         pytest.skip(outcome["reason"])
-    assert outcome["packed"] == 7 * model.num_layers  # q, k, v, o, gate, up, down
+    assert outcome["packed"] == 7 * model.num_layers + 1  # q, k, v, o, gate, up, down; the lm_head
+    assert model.packed and "forward" in vars(model.hf_model.lm_head)
     assert torch.equal(model.forward(ids, model.new_cache()), eager_logits)
     assert tokens(model, new=16) == eager
     assert tokens(model, PromptLookupDrafter(num_tokens=4), new=16) == eager
@@ -91,3 +92,47 @@ def test_packed_bf16_linears_give_the_same_tokens_and_logits():
 def test_packing_is_for_bf16_only():
     model = tiny_model("llama", seed=5)
     assert lean.pack_linears(model) == {"packed": 0, "reason": "prepacking is for bfloat16 weights, not torch.float64"}
+
+
+@torch.no_grad()
+def test_packed_model_packs_its_adapter_and_keeps_drafting_lossless():
+    """An adapter on a packed target packs its block and its reduced-vocabulary head rows on first use, and early
+    exit through it reproduces the packed model's own greedy tokens."""
+    from cats.draft.adapter import new_adapter
+
+    model = tiny_model("llama", seed=6, damp=0.1, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    adapter = new_adapter(model, "draft", 1, vocab_subset=torch.randperm(VOCAB)[:48].tolist()).eval()
+    if lean.pack_linears(model)["reason"]:
+        pytest.skip("no oneDNN bf16 here")
+    plain = tokens(model, new=16)
+    assert tokens(model, EarlyExitDrafter(model, num_tokens=3, adapter=adapter), new=16) == plain
+    assert adapter._packed and "forward" in vars(adapter.block.mlp.up_proj)
+    assert adapter._head_rows in lean._PACKED  # the head rows ran through their packed copy
+    lean.unpack_linears(model)
+
+
+@torch.no_grad()
+def test_packing_off_runs_plain_linears():
+    """`packing_off` (what cats bench's transformers baselines run under) never touches the packed copies."""
+    model = tiny_model("llama", seed=7, damp=0.1, dtype=torch.bfloat16)
+    if lean.pack_linears(model)["reason"]:
+        pytest.skip("no oneDNN bf16 here")
+    weight = model.layers[0].self_attn.q_proj.weight
+    with lean.packing_off():
+        tokens(model, new=4)
+    assert weight not in lean._PACKED
+    tokens(model, new=4)
+    assert weight in lean._PACKED
+    lean.unpack_linears(model)
+    assert weight not in lean._PACKED
+
+
+def test_pack_weights_flag_refuses_what_it_cannot_do(tmp_path):
+    from cats.errors import InvalidArgumentError
+    from cats.model.load import load_model
+
+    with pytest.raises(InvalidArgumentError, match="prepacking is for bfloat16 weights"):
+        load_model(tmp_path, dtype="float32", pack_weights=True)
+    with pytest.raises(InvalidArgumentError, match="memory budget does not plan for"):
+        load_model(tmp_path, dtype="bfloat16", pack_weights=True, memory_budget="50%")

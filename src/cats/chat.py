@@ -78,11 +78,12 @@ def stats_line(stats: GenerationStats) -> str:
 
 
 def add_chat_parser(commands) -> None:
-    from cats.cli import add_method_arguments, add_model_arguments, integer
+    from cats.cli import add_method_arguments, add_model_arguments, add_pack_argument, integer
 
     chat = commands.add_parser("chat", help="interactive terminal chat with streamed answers",
                                description=f"Chat with a model in the terminal. {HELP}.")
     add_model_arguments(chat)
+    add_pack_argument(chat)
     add_method_arguments(chat, default="pld")
     chat.add_argument("--system", default=None, help="system message")
     chat.add_argument("--max-new-tokens", type=integer, default=512, help="longest answer in tokens (default: 512)")
@@ -101,7 +102,7 @@ def run_chat(args) -> int:
     method_from_args(args)
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
     make_config(args.max_new_tokens, **sampling)  # fail before the model loads
-    model = cats.load(args.model or default_model(), dtype=args.dtype)
+    model = cats.load(args.model or default_model(), dtype=args.dtype, pack_weights=args.pack_weights)
     if model.tokenizer is None or not getattr(model.tokenizer, "chat_template", None):
         raise InvalidArgumentError(f"model {model.name!r} has no chat template; cats chat needs one")
     session = ChatSession(build_generator(args, model), system=args.system, max_new_tokens=args.max_new_tokens,

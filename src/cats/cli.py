@@ -42,6 +42,17 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=integer, default=None, help="torch CPU threads")
 
 
+def add_pack_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pack-weights", action="store_true",
+                        help="bfloat16: run the layers' and lm_head's linears on oneDNN-prepacked copies of their "
+                        "weights (same outputs, faster on CPU; costs about the weights' size of extra memory; not "
+                        "with --memory-budget)")
+
+
+PACK_WITH_BUDGET = ("--pack-weights keeps a second, packed copy of the resident weights, which a memory budget does "
+                    "not plan for; drop one of the two")
+
+
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-topk", type=integer, default=None, help="tree/cats: children per expanded node and "
                         "nodes expanded per depth (1 = a chain; default 4, or chosen from the budget)")
@@ -174,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_method_arguments(gen)
     add_sampling_arguments(gen)
     add_memory_arguments(gen)
+    add_pack_argument(gen)
     gen.add_argument("--max-context", type=integer, default=None, help="with --memory-budget: tokens of KV cache to "
                      "plan for (default: the prompt plus --max-new-tokens)")
     gen.add_argument("--max-new-tokens", type=integer, default=128)
@@ -251,9 +263,11 @@ def run_generate(args) -> int:
     source = args.model or default_model()
     if args.memory_budget is None:
         check_memory_flags(args)
-        model = cats.load(source, dtype=args.dtype)
+        model = cats.load(source, dtype=args.dtype, pack_weights=args.pack_weights)
         prompt_ids = encode_prompt(model, prompt, chat=args.chat, system=args.system)
     else:
+        if args.pack_weights:
+            raise InvalidArgumentError(PACK_WITH_BUDGET)
         from cats.generate import encode_with
         from cats.memory.offload import prepare
         from cats.model.load import load_tokenizer

@@ -15,8 +15,8 @@ def add_bench_parser(subparsers) -> None:
     from cats.bench.methods import known_methods
     from cats.bench.prompts import PROMPT_FORMATS
     from cats.bench.runner import TURN_MODES
-    from cats.cli import (add_memory_arguments, add_model_arguments, add_sampling_arguments, add_sparsity_argument,
-                          add_tree_arguments, integer)
+    from cats.cli import (add_memory_arguments, add_model_arguments, add_pack_argument, add_sampling_arguments,
+                          add_sparsity_argument, add_tree_arguments, integer)
 
     bench = subparsers.add_parser(
         "bench", help="benchmark methods and baselines on Spec-Bench / MT-Bench questions",
@@ -36,6 +36,7 @@ def add_bench_parser(subparsers) -> None:
     bench.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="chat",
                        help="chat: apply the chat template (default); raw: plain text, for models without one")
     bench.add_argument("--max-new-tokens", type=integer, default=256)
+    add_pack_argument(bench)
     add_sampling_arguments(bench)  # --temperature --top-p --top-k --seed --acceptance --typical-tau --typical-alpha
     bench.add_argument("--warmup", type=integer, default=1, help="warm-up runs per method (default 1)")
     bench.add_argument("--num-draft-tokens", "-k", type=integer, default=None,
@@ -84,7 +85,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
                                 sampling=SamplingSettings(args.temperature, args.top_p, args.top_k, args.acceptance,
                                                           args.typical_tau, args.typical_alpha)),
         seed=args.seed,
-        progress=not args.no_progress, memory_budget=args.memory_budget,
+        progress=not args.no_progress, memory_budget=args.memory_budget, pack_weights=args.pack_weights,
         prefetch=2 if args.prefetch is None else args.prefetch, offload_io=args.offload_io or "direct",
     )
     config.validate()  # before the model loads

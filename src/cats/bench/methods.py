@@ -35,6 +35,7 @@ from cats.draft import default_draft_layer, make_drafter
 from cats.errors import CatsError, InvalidArgumentError, UnknownMethodError
 from cats.generate import GenerationConfig, Generator
 from cats.model import LayeredModel
+from cats.model.lean import packing_off
 from cats.sampling import check_sampling
 
 HF_METHODS = ("hf-ar", "hf-pld", "hf-early-exit")
@@ -252,7 +253,7 @@ class HfGenerateMethod(BenchMethod):
                 setattr(config, key, value)
             if self.sampling_kwargs["do_sample"]:
                 torch.manual_seed(0 if seed is None else seed)  # transformers samples with torch's global generator
-            with torch.inference_mode():
+            with torch.inference_mode(), packing_off():  # transformers as it runs, not on CATS's packed linears
                 output = hf_model.generate(
                     input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
                     eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0,

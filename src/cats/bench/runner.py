@@ -65,11 +65,16 @@ class BenchConfig:
     memory_budget: str | None = None  # e.g. "50%", "300MiB": every method runs under it, each in its own process
     prefetch: int = 2  # with memory_budget: streamed layers read ahead
     offload_io: str = "direct"  # with memory_budget: "direct" or "buffered"
+    pack_weights: bool = False  # bf16: CATS's methods run on prepacked linears (transformers baselines do not)
 
     def validate(self) -> None:
         sampling = self.settings.sampling
         sampling.validate()
         check_sampling(sampling.temperature, sampling.top_p, sampling.top_k, self.seed)
+        if self.pack_weights and self.memory_budget is not None:
+            from cats.cli import PACK_WITH_BUDGET
+
+            raise InvalidArgumentError(PACK_WITH_BUDGET)
         if self.max_new_tokens < 1:
             raise InvalidArgumentError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
         if self.turns not in TURN_MODES:
@@ -164,6 +169,7 @@ def run_bench(config: BenchConfig) -> dict:
         "prompt_format": config.prompt_format, "temperature": sampling.temperature, "top_p": sampling.top_p,
         "top_k": sampling.top_k, "seed": (config.seed or 0) if sampling.sampled else None,
         "acceptance": sampling.label(), "warmup": config.warmup, "methods_requested": list(config.methods),
+        "pack_weights": config.pack_weights,
         "memory_budget": config.memory_budget, "memory_budget_mb": memory.get("budget_mb"),
         "runtime_baseline_mb": baseline["peak_rss_mb"],
         "peak_rss_method": ("each method in its own process: VmHWM, loading included" if config.memory_budget
@@ -193,7 +199,7 @@ def run_in_process(config: BenchConfig, questions: list[Question], out: Path, mo
     """Every method in this process on one loaded model, interleaved per question."""
     import cats
 
-    model = cats.load(config.model, dtype=config.dtype)
+    model = cats.load(config.model, dtype=config.dtype, pack_weights=config.pack_weights)
     check_prompt_format(model, config.prompt_format)
     context = BenchContext(model, config.model, config.settings)
 

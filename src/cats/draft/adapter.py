@@ -88,6 +88,7 @@ class Adapter(nn.Module):
         subset = config.vocab_subset
         self.register_buffer("vocab_ids", torch.tensor(subset, dtype=torch.long) if subset else None, persistent=False)
         self._head_rows: torch.Tensor | None = None
+        self._packed = False
 
     @property
     def cache_layer(self) -> int:
@@ -109,6 +110,10 @@ class Adapter(nn.Module):
         `LayeredModel.forward_layers`). Without (training), ``attention_mask`` is a ready additive mask
         ``[B, 1, T, T]``."""
         model = self.target
+        if model.packed and not self.training and not self._packed:  # the target packs its linears: so do we
+            from cats.model.lean import pack_module
+
+            self._packed = pack_module(self.block) > 0
         if cache is not None:
             past = cache.length(self.cache_layer)
             if position_ids is None:
@@ -135,6 +140,10 @@ class Adapter(nn.Module):
         if self._head_rows is None or self._head_rows.dtype != weight.dtype:
             # gathered once for decoding: |V_d| rows, the memory price of the reduced vocabulary
             self._head_rows = weight.index_select(0, self.vocab_ids.to(weight.device))
+        if self.target.packed:
+            from cats.model.lean import packed_linear
+
+            return packed_linear(normed, self._head_rows)
         return nn.functional.linear(normed, self._head_rows)
 
     def full_logits(self, normed: torch.Tensor) -> torch.Tensor:

@@ -86,6 +86,7 @@ class LayeredModel:
         rotary_params = inspect.signature(self.decoder.rotary_emb.forward).parameters
         self._rotary_per_layer_type = "layer_type" in rotary_params
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
+        self.packed = False  # bf16 linears routed through prepacked oneDNN weights (`cats.model.lean.pack_linears`)
 
     # ------------------------------------------------------------------ loading
     @classmethod

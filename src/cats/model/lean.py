@@ -16,12 +16,14 @@ plain greedy decoding token for token.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
 import warnings
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 COMPILED_PARTS = ("mlp", "input_layernorm", "post_attention_layernorm")
 
@@ -102,17 +104,48 @@ def uncompile_layers(model) -> None:
 
 
 PACKING = {"off": False}  # set "off" to run packed linears eagerly (A/B timing in one process)
+_PACKED = WeakIdKeyDictionary()  # weight tensor -> ((data_ptr, version), packed copy); by identity, dropped with it
+
+
+@contextlib.contextmanager
+def packing_off():
+    """Run packed linears through aten's plain ``nn.Linear`` path meanwhile (e.g. the transformers baselines of
+    ``cats bench``, which share the model's modules and must run as transformers runs them)."""
+    saved = PACKING["off"]
+    PACKING["off"] = True
+    try:
+        yield
+    finally:
+        PACKING["off"] = saved
+
+
+def packed_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(hidden, weight, bias)`` through a oneDNN-prepacked copy of ``weight`` (bf16), packed on first use
+    and again whenever the weight changes (loaded, trained, streamed)."""
+    if PACKING["off"] or weight.dtype != torch.bfloat16 or hidden.dtype != torch.bfloat16:
+        return nn.functional.linear(hidden, weight, bias)
+    key = (weight.data_ptr(), None if weight.is_inference() else weight._version)  # inference tensors: no counter
+    entry = _PACKED.get(weight)
+    if entry is None or entry[0] != key:
+        entry = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
+        _PACKED[weight] = entry
+    return torch.ops.mkldnn._linear_pointwise(hidden, entry[1], bias, "none", [], "")
 
 
 def _packed_linear_forward(module: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
-    if PACKING["off"]:
-        return nn.Linear.forward(module, hidden)
-    weight = module.weight
-    key = (weight.data_ptr(), weight._version)
-    if module._packed_key != key:  # weights changed (loaded, trained, streamed): pack again
-        module._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
-        module._packed_key = key
-    return torch.ops.mkldnn._linear_pointwise(hidden, module._packed, module.bias, "none", [], "")
+    return packed_linear(hidden, module.weight, module.bias)
+
+
+def pack_module(module: nn.Module) -> int:
+    """Route every ``nn.Linear`` inside ``module`` through `packed_linear`; returns how many are packed."""
+    count = 0
+    for inner in module.modules():
+        if type(inner) is not nn.Linear:
+            continue
+        if "forward" not in vars(inner):
+            inner.forward = types.MethodType(_packed_linear_forward, inner)
+        count += getattr(vars(inner)["forward"], "__func__", None) is _packed_linear_forward
+    return count
 
 
 def pack_available(dtype: torch.dtype) -> str | None:
@@ -126,32 +159,30 @@ def pack_available(dtype: torch.dtype) -> str | None:
     return None
 
 
-def pack_linears(model) -> dict:
-    """Route every ``nn.Linear`` of the resident decoder layers of ``model`` through a oneDNN-prepacked copy of
-    its weight (bf16 only; the HF modules and their parameters stay as they are). Layers streamed under a memory
-    budget are skipped (their weights come and go; a packed copy would defeat the budget).
+def pack_linears(model, head: bool = True) -> dict:
+    """Route every ``nn.Linear`` of the resident decoder layers of ``model`` (and, with ``head``, its lm_head)
+    through a oneDNN-prepacked copy of its weight (bf16 only; the HF modules and their parameters stay as they
+    are, the packed copies are extra memory: about the size of the packed weights). Adapters loaded onto the model
+    pack their own block and head rows on first use (``model.packed``). Layers streamed under a memory budget are
+    skipped (their weights come and go; a packed copy would defeat the budget).
 
     Returns ``{"packed": number of linears, "reason": why none were packed or None}``."""
     reason = pack_available(model.dtype)
     if reason is not None:
         return {"packed": 0, "reason": reason}
     resident = model.num_layers if model.weights is None else model.weights.first
-    count = 0
-    for layer in model.layers[:resident]:
-        for module in layer.modules():
-            if type(module) is not nn.Linear:
-                continue
-            if "forward" not in vars(module):
-                module._packed, module._packed_key = None, None
-                module.forward = types.MethodType(_packed_linear_forward, module)
-            count += getattr(vars(module)["forward"], "__func__", None) is _packed_linear_forward
+    count = sum(pack_module(layer) for layer in model.layers[:resident])
+    if head and type(model.hf_model.lm_head) is nn.Linear:
+        count += pack_module(model.hf_model.lm_head)
+    model.packed = count > 0
     return {"packed": count, "reason": None if count else "no resident layers"}
 
 
 def unpack_linears(model) -> None:
     """Undo `pack_linears` (frees the packed copies)."""
-    for layer in model.layers[: model.num_layers]:
-        for module in layer.modules():
-            if vars(module).get("forward") is not None and getattr(module.forward, "__func__", None) is _packed_linear_forward:
-                for name in ("forward", "_packed", "_packed_key"):
-                    module.__dict__.pop(name, None)
+    for module in [*model.layers[: model.num_layers], model.hf_model.lm_head]:
+        for inner in module.modules():
+            if getattr(vars(inner).get("forward"), "__func__", None) is _packed_linear_forward:
+                inner.__dict__.pop("forward", None)
+                _PACKED.pop(inner.weight, None)
+    model.packed = False

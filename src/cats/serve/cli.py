@@ -13,7 +13,7 @@ from cats.errors import InvalidArgumentError, MissingDependencyError
 
 
 def add_serve_parser(commands) -> None:
-    from cats.cli import add_method_arguments, add_model_arguments, integer
+    from cats.cli import add_method_arguments, add_model_arguments, add_pack_argument, integer
 
     serve = commands.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API (chat and text completions, streaming)",
@@ -22,6 +22,7 @@ def add_serve_parser(commands) -> None:
                     "pip install 'cats[serve]'.",
     )
     add_model_arguments(serve)
+    add_pack_argument(serve)
     add_method_arguments(serve, default="pld")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine "
                        "only; 0.0.0.0 for every interface)")
@@ -70,7 +71,7 @@ def run_serve(args) -> int:
         raise InvalidArgumentError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout:g}")
     method_from_args(args)
     model_path = args.model or default_model()
-    model = cats.load(model_path, dtype=args.dtype)
+    model = cats.load(model_path, dtype=args.dtype, pack_weights=args.pack_weights)
     if model.tokenizer is None:
         raise InvalidArgumentError(f"model {model_path!r} has no tokenizer that transformers can read; "
                                    "cats serve needs one to turn text into tokens")
