@@ -1,0 +1,53 @@
+"""The draft adapter's step cost relative to a full forward (issue 9's target: <= 0.10 with the reduced draft
+vocabulary), with and without prepacked bf16 weights (``--pack-weights``), in one process:
+
+    python benchmarks/draft_step.py [--adapters adapters/smollm2-135m-instruct] [--dtype bfloat16 float32]
+
+One draft step = one token through layers [0, L_d) + the draft adapter's block, norm and head rows; one full forward
+= one token through every layer + the final norm and the whole lm_head (what `ar` pays per token). Context 64
+tokens, medians of ``--repeats`` steps (the first 5 dropped), the two interleaved per packing state."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from adapter_layers import step_cost  # noqa: E402
+
+from cats.cli import default_model  # noqa: E402
+from cats.draft.adapter import load_adapter  # noqa: E402
+from cats.model import lean, load_model  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--adapters", default="adapters/smollm2-135m-instruct")
+    parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=80)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print("| dtype | weights | draft step ms | full forward ms | draft / full |")
+    print("|---|---|---|---|---|")
+    for dtype in args.dtype:
+        model = load_model(args.model or default_model(), dtype=dtype)
+        adapter = load_adapter(Path(args.adapters) / "draft", model).eval()
+        states = [("plain", None)]
+        if lean.pack_available(model.dtype) is None:
+            states.append(("packed", lean.pack_linears))
+        for name, apply in states:
+            if apply is not None:
+                apply(model)
+            draft, full = step_cost(model, adapter, args.repeats)
+            print(f"| {dtype} | {name} | {draft * 1e3:.2f} | {full * 1e3:.2f} | {draft / full:.3f} |", flush=True)
+        lean.unpack_linears(model)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
