@@ -161,6 +161,26 @@ def test_prompt_lookup_is_chosen_when_its_matches_hold():
         DyTCDrafter([DraftOption("pld", FakeDrafter(clock, 0.0))])
 
 
+def test_prompt_lookup_drafts_every_found_token_and_is_judged_by_its_yield():
+    """Prompt lookup's acceptance is bursty: it verifies all it found, and is chosen by its measured yield per step
+    (a geometric per-token rate would cut these drafts short where each verified token costs 2 ms)."""
+    dytc = DyTCDrafter([], lookup=PromptLookupDrafter(num_tokens=10), clock=FakeClock())
+    for n in range(2, 12):  # verifying n tokens: 40 ms + 2 ms per token; a one-token forward: 40 ms
+        dytc.verify_latency.observe(n, 0.040 + 0.002 * n)
+    dytc.single_latency.observe(0.040)
+    for step, accepted in enumerate([3, 0] * 5, start=1):
+        dytc.step = step
+        dytc._alpha_pld(2).observe_step(step, accepted, 10)
+        dytc._pld_yield(2).observe(step, float(accepted))
+    assert dytc.plan(64, lookup_tokens=10, ngram=2) == ("pld", 10)
+    assert dytc.plan(6, lookup_tokens=10, ngram=2) == ("pld", 6)  # never beyond the step's token budget
+    for step in range(11, 31):  # 1-gram matches that never hold: plain decoding is faster
+        dytc.step = step
+        dytc._pld_yield(1).observe(step, 0.0)
+    assert dytc.plan(64, lookup_tokens=10, ngram=1) == ("none", 0)
+    assert dytc.counters()["estimates"]["pld_yield"]["1"] < 0.01
+
+
 def dytc_for(model, adapter=None):
     """A DyTC over hand-picked skip sets (no calibration), a nested cascade and optionally a draft adapter."""
     from cats.draft import EarlyExitDrafter, TreeDrafter
