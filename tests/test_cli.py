@@ -40,6 +40,8 @@ def test_generate_streams_text_and_prints_json_last():
         (["--method", "early-exit", "--draft-layer", "9"], r"draft layer 9 is outside [1, 5)"),
         (["--chat"], "no chat template"),
         (["--dtype", "int3"], "unknown dtype"),
+        (["--pack-weights"], "prepacking is for bfloat16 weights"),
+        (["--pack-weights", "--dtype", "bfloat16", "--memory-budget", "50%"], "memory budget does not plan for"),
     ],
 )
 def test_user_errors_are_one_line(args, message):
