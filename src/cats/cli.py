@@ -49,10 +49,6 @@ def add_pack_argument(parser: argparse.ArgumentParser) -> None:
                         "with --memory-budget)")
 
 
-PACK_WITH_BUDGET = ("--pack-weights keeps a second, packed copy of the resident weights, which a memory budget does "
-                    "not plan for; drop one of the two")
-
-
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-topk", type=integer, default=None, help="tree/cats: children per expanded node and "
                         "nodes expanded per depth (1 = a chain; default 4, or chosen from the budget)")
@@ -267,7 +263,10 @@ def run_generate(args) -> int:
         prompt_ids = encode_prompt(model, prompt, chat=args.chat, system=args.system)
     else:
         if args.pack_weights:
-            raise InvalidArgumentError(PACK_WITH_BUDGET)
+            from cats.model.lean import check_packing
+            from cats.model.load import resolve_dtype
+
+            check_packing(resolve_dtype(args.dtype), args.memory_budget)
         from cats.generate import encode_with
         from cats.memory.offload import prepare
         from cats.model.load import load_tokenizer

@@ -116,9 +116,11 @@ class Generator:
 
         # 1. prefill: the whole prompt in one forward; its last row gives the first new token (pending, uncached)
         extra_layers = (self.drafter.cache_layers if self.drafter else 0) + self.scorer.cache_layers
-        capacity = min(len(prompt_ids) + config.max_new_tokens, model.context_length) + DRAFT_SLACK
-        if plan is not None:  # exactly what the plan reserved: a doubled buffer would break the budget
-            capacity = max(plan.needs.context_tokens + plan.needs.max_tree_tokens, capacity - DRAFT_SLACK + 1)
+        committed = min(len(prompt_ids) + config.max_new_tokens, model.context_length)
+        if plan is None:
+            capacity = committed + DRAFT_SLACK
+        else:  # exactly what the plan reserved: a doubled buffer would break the budget
+            capacity = max(plan.needs.context_tokens + plan.needs.max_tree_tokens, committed + 1)
         cache = model.new_cache(extra_layers=extra_layers, capacity=capacity)
         state = DecodeState(model, cache, list(prompt_ids), len(prompt_ids),
                             sampler=sampler if acceptance.draws_drafts else None)

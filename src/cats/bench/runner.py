@@ -71,10 +71,11 @@ class BenchConfig:
         sampling = self.settings.sampling
         sampling.validate()
         check_sampling(sampling.temperature, sampling.top_p, sampling.top_k, self.seed)
-        if self.pack_weights and self.memory_budget is not None:
-            from cats.cli import PACK_WITH_BUDGET
+        if self.pack_weights:
+            from cats.model.lean import check_packing
+            from cats.model.load import resolve_dtype
 
-            raise InvalidArgumentError(PACK_WITH_BUDGET)
+            check_packing(resolve_dtype(self.dtype), self.memory_budget)
         if self.max_new_tokens < 1:
             raise InvalidArgumentError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
         if self.turns not in TURN_MODES:

@@ -278,23 +278,26 @@ class DyTCDrafter(Drafter):
         self._reset_counters()
 
     # ------------------------------------------------------------------ estimates
+    @staticmethod
+    def _pld_prior(ngram: int) -> float:
+        return PLD_PRIORS.get(ngram, max(PLD_PRIORS.values()))
+
     def _alpha_pld(self, ngram: int) -> AcceptanceEstimate:
         if ngram not in self.pld_acceptance:
-            prior = PLD_PRIORS.get(ngram, max(PLD_PRIORS.values()))
-            self.pld_acceptance[ngram] = AcceptanceEstimate(prior, self.decay, self.window)
+            self.pld_acceptance[ngram] = AcceptanceEstimate(self._pld_prior(ngram), self.decay, self.window)
         return self.pld_acceptance[ngram]
 
     def _pld_yield(self, ngram: int) -> WindowedAverage:
         if ngram not in self.pld_yield:
-            prior = PLD_PRIORS.get(ngram, max(PLD_PRIORS.values()))
             tokens = self.lookup.num_tokens if self.lookup is not None else 1
-            self.pld_yield[ngram] = WindowedAverage(expected_accepted(prior, tokens), self.decay, self.window)
+            prior = expected_accepted(self._pld_prior(ngram), tokens)
+            self.pld_yield[ngram] = WindowedAverage(prior, self.decay, self.window)
         return self.pld_yield[ngram]
 
-    def _pld_rate(self, k: int, ngram: int) -> float:
-        """Expected tokens per predicted second of verifying the ``k`` tokens prompt lookup found."""
-        da, db = self._draft_line(PLD)
-        accepted = min(self._pld_yield(ngram).ratio(self.step), float(k))
+    def _yield_rate(self, key: str, k: int, accepted: float) -> float:
+        """Expected tokens per predicted second of drafting ``k`` tokens with ``key`` and verifying them, when a
+        step is expected to accept ``accepted`` of them (prompt lookup, trees: measured yields per step)."""
+        da, db = self._draft_line(key)
         return (1.0 + accepted) / (max(da + db * k, 0.0) + self._verify_time(k + 1))
 
     def _verify_line(self) -> tuple[float, float]:
@@ -359,7 +362,7 @@ class DyTCDrafter(Drafter):
         choice, best = (NONE, 0), self._best_length(NONE, 0, 0.0)[1]
         if lookup_tokens and max_tokens > 0:
             k = min(lookup_tokens, max_tokens)
-            value = self._pld_rate(k, ngram)
+            value = self._yield_rate(PLD, k, min(self._pld_yield(ngram).ratio(self.step), float(k)))
             if value > best:
                 choice, best = (PLD, k), value
         lookahead = self.lookahead_yield.ratio(self.step) if self.lookahead_tokens else 0.0
@@ -369,8 +372,7 @@ class DyTCDrafter(Drafter):
                 continue
             if option.tree:
                 k = option.max_tokens  # its node count (the budget only limits its depth)
-                da, db = self._draft_line(key)
-                value = (1.0 + self.tree_yield[key].ratio(self.step)) / (max(da + db * k, 0.0) + self._verify_time(k + 1))
+                value = self._yield_rate(key, k, self.tree_yield[key].ratio(self.step))
             else:
                 k, value = self._best_length(key, limit, self.acceptance[key].value(self.step), lookahead)
             if value > best:

@@ -120,15 +120,7 @@ class TreeDrafter(EarlyExitDrafter):
         if leaves:
             self._run_nodes(nodes, leaves, state, root_slot=committed)
         order = expanded + leaves  # parents precede children: leaves hang below expanded nodes
-        position = {index: i for i, index in enumerate(order)}
-        table = torch.cat(tables)
-        return Proposal(
-            tokens=torch.tensor([nodes[i].token for i in order], dtype=torch.long),
-            parents=torch.tensor([position[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in order]),
-            logits=table[torch.tensor([nodes[i].parent_row for i in order])],
-            hidden=torch.cat([root, torch.stack([nodes[i].hidden for i in order])[None]], dim=1),
-            hidden_layer=self.layer,
-        )
+        return self._proposal(nodes, order, tables, root)
 
     def _propose_drawn(self, state: DecodeState, max_depth: int) -> Proposal:
         """The tree for speculative sampling (module docstring): drawn children, verified = expanded nodes."""
@@ -154,16 +146,23 @@ class TreeDrafter(EarlyExitDrafter):
             frontier = [child for row, index in enumerate(frontier)
                         for child in self._draw_children(nodes, draws, probs[row], index, nodes[index].score, depth + 1,
                                                          first_row + row, sampler)]
-        position = {index: i for i, index in enumerate(verified)}
+        return self._proposal(nodes, verified, tables, root, draws)
+
+    def _proposal(self, nodes: list[_Node], order: list[int], tables: list[torch.Tensor], root: torch.Tensor,
+                  draws: list[tuple[int, list[int], torch.Tensor]] | None = None) -> Proposal:
+        """The proposal of the pool nodes ``order`` (parents before children) in that order; with ``draws`` (the
+        drawn tree), how each parent's children were drawn, in proposal positions."""
+        position = {index: i for i, index in enumerate(order)}
         table = torch.cat(tables)
         return Proposal(
-            tokens=torch.tensor([nodes[i].token for i in verified], dtype=torch.long),
-            parents=torch.tensor([position[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in verified]),
-            logits=table[torch.tensor([nodes[i].parent_row for i in verified])],
-            hidden=torch.cat([root, torch.stack([nodes[i].hidden for i in verified])[None]], dim=1),
+            tokens=torch.tensor([nodes[i].token for i in order], dtype=torch.long),
+            parents=torch.tensor([position[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in order]),
+            logits=table[torch.tensor([nodes[i].parent_row for i in order])],
+            hidden=torch.cat([root, torch.stack([nodes[i].hidden for i in order])[None]], dim=1),
             hidden_layer=self.layer,
-            draws=[Draw(parent=position[parent] if parent >= 0 else -1, tokens=[nodes[c].token for c in children],
-                        nodes=[position.get(c) for c in children], probs=q) for parent, children, q in draws],
+            draws=None if draws is None else [
+                Draw(parent=position[parent] if parent >= 0 else -1, tokens=[nodes[c].token for c in children],
+                     nodes=[position.get(c) for c in children], probs=q) for parent, children, q in draws],
         )
 
     def _draw_children(self, nodes: list[_Node], draws: list, q: torch.Tensor, parent: int, parent_score: float,

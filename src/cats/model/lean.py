@@ -1,19 +1,18 @@
-"""Optional `torch.compile` (inductor) of the cache-free parts of every decoder layer.
+"""The lean CPU forward's optional parts, each applied in place to a `LayeredModel`'s own HF modules (only an
+instance ``forward`` is redirected: parameter names and objects do not change, so memory streaming and adapters keep
+working).
 
-What is compiled: each layer's MLP and its two norms, the model's own HF modules, left in place with only their
-instance ``forward`` pointing at the compiled function (parameter names and objects do not change, so memory
-streaming and adapters keep working). All layers share one
-compiled graph per input shape (the parameters are graph inputs), so compiling costs seconds, not one compile per
-layer. Attention (rotary, the KV cache write, SDPA) stays eager: its cache update depends on the layer index,
-which would make dynamo recompile for every layer.
-
-Compilation is opt-in (`compile_layers`, ``--compile``) and falls back to eager: when ``torch.compile`` is
-missing or the first compiled call fails (no C++ compiler, an unsupported op), the wrappers switch to the eager
-modules for good with a one-line warning. Compiled code may round differently from eager code (fused
-reductions), so a compiled model is compared with itself: every speculative method on it reproduces its own
-plain greedy decoding token for token.
+* `pack_linears` (``--pack-weights``, bf16): the linears run on oneDNN-prepacked copies of their weights (same
+  outputs; the copies are extra memory, so it is refused under a memory budget, see `check_packing`).
+* `compile_layers` (API only; slower in every configuration measured, see docs/performance.md): `torch.compile`
+  (inductor) of each layer's MLP and its two norms. All layers share one compiled graph per input shape (the
+  parameters are graph inputs), so compiling costs seconds, not one compile per layer. Attention (rotary, the KV
+  cache write, SDPA) stays eager: its cache update depends on the layer index, which would make dynamo recompile
+  for every layer. It falls back to eager: when ``torch.compile`` is missing or the first compiled call fails (no
+  C++ compiler, an unsupported op), the wrappers switch to the eager modules for good with a one-line warning.
+  Compiled code may round differently from eager code (fused reductions), so a compiled model is compared with
+  itself: every speculative method on it reproduces its own plain greedy decoding token for token.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -157,6 +156,20 @@ def pack_available(dtype: torch.dtype) -> str | None:
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return "this CPU has no oneDNN bf16 support"
     return None
+
+
+def check_packing(dtype: torch.dtype, memory_budget) -> None:
+    """Refuse ``--pack-weights`` where it cannot work: a dtype other than bf16 (or no oneDNN bf16 here), or a memory
+    budget, whose plan does not count the packed copies."""
+    from cats.errors import InvalidArgumentError
+
+    if memory_budget is not None:
+        raise InvalidArgumentError("--pack-weights (pack_weights) keeps a second, packed copy of the resident "
+                                   "weights, which a memory budget does not plan for; drop one of the two")
+    reason = pack_available(dtype)
+    if reason is not None:
+        raise InvalidArgumentError(f"cannot pack the weights (--pack-weights): {reason}; use --dtype bfloat16 or "
+                                   "drop --pack-weights")
 
 
 def pack_linears(model, head: bool = True) -> dict:

@@ -76,15 +76,9 @@ def load_model(
     """
     torch_dtype = resolve_dtype(dtype)
     if pack_weights:
-        from cats.model.lean import pack_available
+        from cats.model.lean import check_packing
 
-        if memory_budget is not None:
-            raise InvalidArgumentError("pack_weights (--pack-weights) keeps a second, packed copy of the resident "
-                                       "weights, which a memory budget does not plan for; drop one of the two")
-        reason = pack_available(torch_dtype)
-        if reason is not None:
-            raise InvalidArgumentError(f"cannot pack the weights (--pack-weights): {reason}; use --dtype bfloat16 "
-                                       "or drop --pack-weights")
+        check_packing(torch_dtype, memory_budget)
     if memory_budget is not None and device != "cpu":
         raise InvalidArgumentError(f"a memory budget streams layers into CPU memory; device {device!r} is not supported")
     folder = _local_folder(str(model))
