@@ -242,3 +242,20 @@ def test_generate_api_under_a_budget(tmp_path):
                            memory_budget=budget)
     assert result.token_ids == expected
     assert result.stats.offload["streamed_layers"] == [2, LAYERS] and result.stats.peak_rss_mb > 0
+
+
+def test_eagle_drafts_without_touching_streamed_layers():
+    """Feature drafting runs no target layer: every pass streams the deep layers once, for several tokens."""
+    from cats.draft.feature import FeatureDrafter
+    from tests.test_draft_feature import feature_adapter
+
+    model = deep_model("llama")
+    adapter = feature_adapter(model)  # before offloading: it copies layer 0
+    expected = hf_greedy(model, prompts()[0], NEW_TOKENS)
+    offload(model, 1, MemoryNeeds(context_tokens=64, min_resident_layers=0, max_tree_tokens=17, prefetch=1))
+    result = Generator(model, FeatureDrafter(model, adapter)).generate(prompts()[0], GenerationConfig(max_new_tokens=NEW_TOKENS))
+    assert result.token_ids == expected
+    assert result.stats.accepted_draft_tokens > 0
+    counts = result.stats.offload
+    assert counts["acquires"] == result.stats.target_forwards * (LAYERS - 1) and counts["out_of_order"] == 0
+    model.close()

@@ -12,9 +12,11 @@ from cats.acceptance import SpeculativeSampling
 from cats.cascade import CascadeScorer
 from cats.draft import EarlyExitDrafter, PromptLookupDrafter, TreeDrafter
 from cats.draft.adapter import new_adapter
+from cats.draft.feature import FeatureDrafter
 from cats.errors import InvalidArgumentError
 from cats.generate import GenerationConfig, Generator
 from tests.conftest import tiny_model
+from tests.test_draft_feature import feature_adapter
 from tests.stats_helpers import first_tokens_distribution, sequence_pvalue
 
 RUNS = 300
@@ -68,6 +70,7 @@ CASES = {
     "tree": ("damped", lambda m: (TreeDrafter(m, layer=1, tree_topk=2, total_tokens=4, depth=2), None), PROMPT,
              NUCLEUS),
     "cats": ("damped", cascade, PROMPT, TOP2),
+    "eagle": ("damped", lambda m: (FeatureDrafter(m, feature_adapter(m), depth=2), None), PROMPT, TOP2),
     "pld": ("undamped", lambda m: (PromptLookupDrafter(num_tokens=2), None), LOOKUP_PROMPT, TOP2),
 }
 

@@ -117,3 +117,39 @@ def test_train_adapter_command_line(data, tmp_path):
     bad = subprocess.run(["cats", "train", "adapter", "--model", str(STORIES_HF), "--data", str(data.path), "--role",
                           "draft", "--layer", "4", "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "not of layer 4" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_feature_adapter_trains_on_final_features_and_drafts_losslessly(model, data, tmp_path):
+    import shutil
+
+    from cats.draft.feature import FeatureDrafter
+    from cats.train.data import make_features
+
+    folder = shutil.copytree(data.path, tmp_path / "data")
+    depth = model.num_layers
+    config = TrainConfig(role="draft", layer=depth, input="features", out=tmp_path / "feature", epochs=30, lr=3e-3,
+                         batch_tokens=256, warmup_steps=5, position_fraction=1.0, draft_vocab=200, progress=False,
+                         checkpoint_every=0)
+    with pytest.raises(InvalidArgumentError, match="cats train features"):
+        train_adapter(model, TrainingData.open(folder, model=model), config)
+    assert make_features(model, folder, progress=False) == len(data.shards)
+    assert make_features(model, folder, progress=False) == 0  # every shard has its file: nothing to redo
+    fresh = TrainingData.open(folder, model=model)
+    sample = fresh.sample(0, layers=[], features=True)
+    with torch.no_grad():
+        final = model.forward_layers(model.embed(sample["input_ids"]), 0, depth, model.new_cache())
+        expected_features = model.decoder.norm(final)[0]
+    assert torch.allclose(sample["features"].float(), expected_features, atol=0.05, rtol=0.02)  # stored in bf16
+    with pytest.raises(InvalidArgumentError, match=f"--layer {depth}"):
+        train_adapter(model, fresh, TrainConfig(role="draft", layer=2, input="features", out=tmp_path / "x"))
+    before = evaluate(new_adapter(model, "draft", depth, input="features"), fresh, depth, None, "cpu")
+    out = train_adapter(model, fresh, config, eval_data=fresh)
+    adapter = load_adapter(out, model, role="draft", layer=depth)
+    after = adapter.config.training["final_eval"]
+    assert adapter.config.input == "features" and len(adapter.config.vocab_subset) == 200
+    assert after["agreement"] > before["agreement"] + 0.1, (before, after)
+    prompt = model.tokenizer("Once upon a time")["input_ids"]
+    expected = Generator(model).generate(prompt, GenerationConfig(max_new_tokens=40)).token_ids
+    result = Generator(model, FeatureDrafter(model, adapter)).generate(prompt, GenerationConfig(max_new_tokens=40))
+    assert result.token_ids == expected
+    assert result.stats.accepted_draft_tokens > 0

@@ -50,11 +50,11 @@ def add_pack_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tree-topk", type=integer, default=None, help="tree/cats: children per expanded node and "
+    parser.add_argument("--tree-topk", type=integer, default=None, help="tree/cats/eagle: children per expanded node and "
                         "nodes expanded per depth (1 = a chain; default 4, or chosen from the budget)")
-    parser.add_argument("--total-tokens", type=integer, default=None, help="tree/cats: nodes kept for verification "
+    parser.add_argument("--total-tokens", type=integer, default=None, help="tree/cats/eagle: nodes kept for verification "
                         "(default 16, or chosen from the budget)")
-    parser.add_argument("--depth", type=integer, default=None, help="tree/cats: maximum depth (default 5, or chosen "
+    parser.add_argument("--depth", type=integer, default=None, help="tree/cats/eagle: maximum depth (default 5, or chosen "
                         "from the budget)")
     parser.add_argument("--sv-threshold", type=float, default=0.2,
                         help="cats: the shallow verifier prunes nodes it gives a probability below this")
@@ -95,7 +95,8 @@ def add_method_arguments(parser: argparse.ArgumentParser, default: str = "ar") -
                         "(chain), tree (dynamic draft tree from the early exit), cats (draft adapter + tree + "
                         "shallow-verifier cascade; needs --adapters), cats-no-shallow, layer-skip (calibrated "
                         "sublayers skipped), dytc (scheduler over prompt lookup, layer skipping and, with --adapters, "
-                        f"the draft adapter) (default: {default})")
+                        "the draft adapter), eagle (trees from the feature draft adapter in --adapters, which reads "
+                        f"the target's final features; chain: --tree-topk 1) (default: {default})")
     parser.add_argument("--no-shallow", action="store_true", help="with --method cats: no shallow-verifier cascade")
     parser.add_argument("--draft-layer", type=integer, default=None, help="early-exit layer L_d (default: depth/8)")
     parser.add_argument("--num-draft-tokens", "-k", type=integer, default=None,

@@ -154,6 +154,8 @@ class Generator:
             new_tokens = verified.tokens[accepted].tolist() + [verdict.next_token]
             state.token_ids.extend(new_tokens)
             if self.drafter:
+                if self.drafter.wants_features:  # the target's final states of x and the accepted drafts
+                    self.drafter.take_features(state.final_hidden[torch.tensor([0] + [1 + i for i in accepted])])
                 self.drafter.observe(proposal, verdict.num_accepted)
             stats.draft_s += tock - tick
             stats.verify_s += time.perf_counter() - tock
@@ -178,7 +180,7 @@ class Generator:
         components = ([self.drafter] if self.drafter else []) + [self.scorer]
         wanted = sorted({layer for component in components for layer in component.prefill_layers})
         hidden, start, captured = model.embed(torch.tensor(state.token_ids)), 0, {}
-        for stop in wanted + [model.num_layers]:
+        for stop in sorted(set(wanted) | {model.num_layers}):
             hidden = model.forward_layers(hidden, start, stop, state.cache)
             captured[stop], start = hidden, stop
         for component in components:

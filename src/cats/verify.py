@@ -17,7 +17,8 @@ def score_proposal(state: DecodeState, proposal: Proposal) -> torch.Tensor:
     """Target logits for ``[x, d_1..d_k]`` in one forward: ``[k+1, V]``; row 0 is p(. | prefix, x), row i + 1 is
     p(. | prefix, x, the path to node i). Trees use the tree attention mask and depth-based positions.
 
-    Appends k+1 slots to every layer of the cache (the layers the drafter already ran keep theirs)."""
+    Appends k+1 slots to every layer of the cache (the layers the drafter already ran keep theirs); leaves the
+    final states ``[k+1, H]`` in ``state.final_hidden``."""
     model, committed = state.model, state.committed_length
     positions, attend = None, None
     if proposal.is_tree:
@@ -28,6 +29,7 @@ def score_proposal(state: DecodeState, proposal: Proposal) -> torch.Tensor:
     else:
         hidden = model.embed(torch.cat([torch.tensor([state.token_ids[-1]]), proposal.tokens]))
     hidden = model.forward_layers(hidden, start, model.num_layers, state.cache, position_ids=positions, attend=attend)
+    state.final_hidden = hidden[0]
     return model.head(hidden[0])
 
 

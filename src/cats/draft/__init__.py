@@ -13,10 +13,11 @@ from cats.errors import InvalidArgumentError, UnknownMethodError
 from cats.memory.speculation import speculation_for
 from cats.model import LayeredModel
 
-METHODS = ("ar", "pld", "early-exit", "tree", "cats", "cats-no-shallow", "layer-skip", "dytc")
+METHODS = ("ar", "pld", "early-exit", "tree", "cats", "cats-no-shallow", "layer-skip", "dytc", "eagle")
 # cats = draft adapter + dynamic tree + shallow-verifier cascade; cats-no-shallow ablates the cascade;
 # layer-skip = the target with calibrated sublayers skipped; dytc = a scheduler over prompt lookup, layer-skip
-# drafters in a vertical cascade and (with --adapters) the draft adapter
+# drafters in a vertical cascade and (with --adapters) the draft adapter; eagle = trees from the feature draft
+# adapter (EAGLE-style: reads the target's final features, runs no target layer while drafting)
 LAYER_SKIP_SPARSITY = 0.4
 DYTC_SPARSITIES = (0.4, 0.6)
 
@@ -27,6 +28,27 @@ def _draft_adapter(adapters: str | None, model: LayeredModel):
     from cats.draft.adapter import find_adapter, load_adapter
 
     return load_adapter(find_adapter(adapters, "draft"), model, role="draft")
+
+
+def _feature_adapter(adapters: str | None, model: LayeredModel):
+    """The feature draft adapter of an adapters folder (``DIR/feature/``), if it has one."""
+    from pathlib import Path
+
+    from cats.draft.adapter import load_adapter
+
+    if adapters is None:
+        return None
+    import json
+
+    folder = Path(adapters) / "feature"
+    if not (folder / "config.json").is_file():  # DIR may be an adapter folder itself
+        folder = Path(adapters)
+        try:
+            if json.loads((folder / "config.json").read_text()).get("input") != "features":
+                return None
+        except (OSError, ValueError):
+            return None
+    return load_adapter(folder, model, role="draft", layer=model.num_layers)
 
 
 def _check_resident(model: LayeredModel, layer: int) -> None:
@@ -90,11 +112,16 @@ def make_drafter(
         from cats.draft.dytc import make_dytc
 
         bucket = speculation_for(model)[0]  # the default shape: nothing streams here
-        return make_dytc(model, _sparsities(sparsity, DYTC_SPARSITIES), adapter=_draft_adapter(adapters, model),
+        feature = _feature_adapter(adapters, model)  # a feature/ adapter in DIR is used instead of draft/
+        return make_dytc(model, _sparsities(sparsity, DYTC_SPARSITIES), feature_adapter=feature,
+                         adapter=_draft_adapter(adapters, model) if feature is None else None,
                          max_ngram=max_ngram, num_tokens=num_draft_tokens,
                          tree_topk=bucket.tree_topk if tree_topk is None else tree_topk,
                          total_tokens=bucket.total_tokens if total_tokens is None else total_tokens,
                          depth=bucket.depth if depth is None else depth)
+    if method == "eagle":
+        return make_feature_drafter(model, adapters, num_draft_tokens, draft_layer, threshold, tree_topk,
+                                    total_tokens, depth)
     if method in ("cats", "cats-no-shallow") and adapters is None:
         raise InvalidArgumentError(f"method {method!r} needs --adapters DIR holding trained draft/ and shallow/ adapters "
                                    "(cats train adapter); without adapters use tree or early-exit")
@@ -127,6 +154,25 @@ def make_drafter(
     if chosen is not None and model.memory_plan is not None:
         drafter.speculation = chosen[1]
     return drafter
+
+
+def make_feature_drafter(model: LayeredModel, adapters: str | None, num_draft_tokens: int | None = None,
+                         draft_layer: int | None = None, threshold: float = 0.0, tree_topk: int | None = None,
+                         total_tokens: int | None = None, depth: int | None = None):
+    """The eagle drafter: the feature adapter of ``adapters`` (``DIR/feature/`` or an adapter folder itself)."""
+    from cats.draft.adapter import find_adapter, load_adapter
+    from cats.draft.feature import FeatureDrafter
+
+    if adapters is None:
+        raise InvalidArgumentError("method 'eagle' needs --adapters DIR holding a trained feature/ adapter "
+                                   "(cats train adapter --input features)")
+    if num_draft_tokens is not None or draft_layer is not None:
+        raise InvalidArgumentError("eagle drafts from the target's final features: --draft-layer does not apply, and "
+                                   "its draft length is --depth (a chain: --tree-topk 1)")
+    adapter = load_adapter(find_adapter(adapters, "feature"), model, role="draft", layer=model.num_layers)
+    return FeatureDrafter(model, adapter, tree_topk=4 if tree_topk is None else tree_topk,
+                          total_tokens=16 if total_tokens is None else total_tokens, depth=5 if depth is None else depth,
+                          threshold=threshold)
 
 
 def _sparsities(value: float | Sequence[float] | None, default: tuple[float, ...]) -> tuple[float, ...]:

@@ -2,6 +2,11 @@
 only as in Kangaroo) plus a norm, fed the target's hidden state after layer L and read out through the target's
 own lm_head (shared with the target, never stored in the adapter; with a reduced vocabulary only those rows).
 
+A *feature* draft adapter (``input="features"``, EAGLE-style) reads the target's last features instead: at position
+t its input is ``fc([f_t, e(x_{t+1})])``, the target's final normed state f_t (what its lm_head reads) next to the
+embedding of the token that follows, and its output (normed) is its estimate of f_{t+1}, read out through the
+lm_head. Its ``layer`` is the number of target layers (it runs after all of them); see `cats.draft.feature`.
+
 On disk an adapter is an HF-style folder: ``config.json`` (see `AdapterConfig`) + ``model.safetensors`` (the
 block and norm weights only). It records the identity of the base model it was trained on; loading it onto
 another model or asking it for another layer is an error naming both.
@@ -25,6 +30,7 @@ FORMAT = "cats-adapter/1"
 ROLES = ("draft", "shallow")
 BLOCKS = ("decoder", "attention")
 INITS = ("next", "copy", "random")
+INPUTS = ("hidden", "features")  # the state after layer L; or the target's final features + next-token embedding
 
 
 class AdapterError(CatsError):
@@ -41,6 +47,7 @@ class AdapterConfig:
     init: str = "next"  # how the block was initialised: next = target layer `layer`, copy = last layer, random
     vocab_subset: list[int] | None = None  # token ids of a reduced draft vocabulary (most frequent first); None = all
     training: dict = field(default_factory=dict)  # data, settings, metrics, learning curve
+    input: str = "hidden"  # "hidden" (state after `layer`) or "features" (EAGLE-style: final features + next token)
     format: str = FORMAT
 
     def validate(self) -> None:
@@ -50,6 +57,10 @@ class AdapterConfig:
             raise AdapterError(f"adapter role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.block not in BLOCKS:
             raise AdapterError(f"adapter block must be one of {', '.join(BLOCKS)}, got {self.block!r}")
+        if self.input not in INPUTS:
+            raise AdapterError(f"adapter input must be one of {', '.join(INPUTS)}, got {self.input!r}")
+        if self.input == "features" and self.role != "draft":
+            raise AdapterError("a feature adapter (input 'features') drafts: its role must be 'draft'")
 
 
 class _NoMLP(nn.Module):
@@ -69,12 +80,17 @@ class Adapter(nn.Module):
     def __init__(self, config: AdapterConfig, model: LayeredModel, cache_layer: int | None = None):
         super().__init__()
         config.validate()
-        if not 1 <= config.layer < model.num_layers:
+        features = config.input == "features"
+        if features and config.layer != model.num_layers:
+            raise AdapterError(f"a feature adapter reads the features after all {model.num_layers} layers of "
+                               f"{model.name!r}, but its config says layer {config.layer}")
+        if not features and not 1 <= config.layer < model.num_layers:
             raise AdapterError(f"adapter layer {config.layer} is outside [1, {model.num_layers}) for {model.name!r}")
         self.config = config
         self.__dict__["target"] = model  # not a submodule
         self._cache_layer = model.num_layers if cache_layer is None else cache_layer
-        source = model.layers[model.num_layers - 1] if config.init == "copy" else model.layers[config.layer]
+        last = model.num_layers - 1
+        source = model.layers[last] if config.init == "copy" or features else model.layers[config.layer]
         self.block = copy.deepcopy(source)
         if config.init == "random":
             self.block.apply(model.hf_model._init_weights)
@@ -82,13 +98,33 @@ class Adapter(nn.Module):
         if config.block == "attention":
             self.block.mlp = _NoMLP()
         self.norm = copy.deepcopy(model.decoder.norm)
-        self.kind = model.layer_types[config.layer]  # attention kind (and rotary) of the layer it replaces
+        # attention kind (and rotary) of the layer it replaces (a feature adapter: of the last layer)
+        self.kind = model.layer_types[last if features else config.layer]
+        self.fc = None  # feature adapters: [f_t, e(x_{t+1})] (2H) -> H, see _init_fc
+        if features:
+            size = model.config.hidden_size
+            self.fc = nn.Linear(2 * size, size, bias=True, dtype=self.norm.weight.dtype)
+            self._init_fc(model)
         self.block.requires_grad_(True)
         self.norm.requires_grad_(True)
         subset = config.vocab_subset
         self.register_buffer("vocab_ids", torch.tensor(subset, dtype=torch.long) if subset else None, persistent=False)
         self._head_rows: torch.Tensor | None = None
         self._packed = False
+
+    @torch.no_grad()
+    def _init_fc(self, model: LayeredModel) -> None:
+        """``fc`` starts as ``f_t + s * e(x_{t+1})``, s = rms(normed state) / rms(embeddings): the final norm's
+        output scale and the embeddings' often differ a lot (SmolLM2: 1.9 vs 0.14), and an unscaled sum would start
+        with the token nearly drowned out."""
+        size = model.config.hidden_size
+        probe = torch.randn(64, size, generator=torch.Generator().manual_seed(0)).to(model.decoder.norm.weight)
+        normed = model.decoder.norm(probe).float().pow(2).mean().sqrt()
+        embeddings = model.embed(torch.arange(min(model.vocab_size, 4096)))[0].float().pow(2).mean().sqrt()
+        scale = float(normed / embeddings.clamp(min=1e-12))
+        eye = torch.eye(size, dtype=self.fc.weight.dtype)
+        self.fc.weight.copy_(torch.cat([eye, scale * eye], dim=1))
+        self.fc.bias.zero_()
 
     @property
     def cache_layer(self) -> int:
@@ -103,7 +139,8 @@ class Adapter(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, hidden: torch.Tensor, cache: KVCache | None = None, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, attend: torch.Tensor | None = None) -> torch.Tensor:
-        """Block + norm on target states after layer L: ``[B, T, H] -> [B, T, H]``.
+        """Block + norm on target states after layer L: ``[B, T, H] -> [B, T, H]`` (a feature adapter takes
+        ``[B, T, 2H]``: ``[f_t, e(x_{t+1})]`` per position, see `feature_inputs`).
 
         With a cache (decoding, B = 1) the T states are appended to the adapter's cache layer and attend to all
         earlier slots (or, for tree nodes, to those ``attend`` ``[T, P+T]`` allows, as in
@@ -114,6 +151,8 @@ class Adapter(nn.Module):
             from cats.model.lean import pack_module
 
             self._packed = pack_module(self.block) > 0
+        if self.fc is not None:
+            hidden = self.fc(hidden)
         if cache is not None:
             past = cache.length(self.cache_layer)
             if position_ids is None:
@@ -129,6 +168,12 @@ class Adapter(nn.Module):
         if cache is not None:
             cache.record(self.cache_layer, self.cache_layer + 1, position_ids.cpu())
         return self.norm(out)
+
+    def feature_inputs(self, features: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """A feature adapter's input ``[..., T, 2H]`` from the target's final normed features ``[..., T, H]`` at
+        positions t and the ids ``[..., T]`` of the tokens x_{t+1} that follow them."""
+        embedded = self.target.hf_model.get_input_embeddings()(next_ids.to(features.device))
+        return torch.cat([features, embedded.to(features.dtype)], dim=-1)
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Logits over the adapter's vocabulary (``[..., V_d]``) through the target's lm_head rows."""
@@ -171,12 +216,12 @@ class Adapter(nn.Module):
 
 
 def new_adapter(model: LayeredModel, role: str, layer: int, block: str = "decoder", init: str = "next",
-                vocab_subset: list[int] | None = None, cache_layer: int | None = None) -> Adapter:
+                vocab_subset: list[int] | None = None, cache_layer: int | None = None, input: str = "hidden") -> Adapter:
     """A fresh adapter for ``model`` (before training)."""
     if init not in INITS:
         raise AdapterError(f"adapter init must be one of {', '.join(INITS)}, got {init!r}")
     config = AdapterConfig(role=role, layer=layer, architecture=model.config.model_type, base_model=model_identity(model),
-                           block=block, init=init, vocab_subset=vocab_subset)
+                           block=block, init=init, vocab_subset=vocab_subset, input=input)
     return Adapter(config, model, cache_layer).to(model.dtype)
 
 

@@ -32,6 +32,8 @@ class DecodeState:
     token_ids: list[int]  # prompt + generated tokens; the last one, x, is pending (not in the cache)
     prompt_length: int
     sampler: Sampler | None = None  # set: draw drafts from q with it (speculative sampling); None: draft greedily
+    final_hidden: torch.Tensor | None = None  # [k+1, H] the target's last-layer states (before its final norm) for
+    # [x, d_1..d_k] of the latest verification, rows as its logits
 
     @property
     def committed_length(self) -> int:
@@ -104,6 +106,7 @@ class Drafter(ABC):
     cache_layers: int = 0  # extra KV-cache layers the drafter's own blocks need (after the target's layers)
     prefill_layers: tuple[int, ...] = ()  # layers whose prompt hidden states `prefill` needs
     speculation: dict | None = None  # under a memory budget: the draft size bucket chosen for it, and why
+    wants_features = False  # True: the loop hands it the target's final states of every committed token
 
     def prefill(self, state: DecodeState, hidden: dict[int, torch.Tensor]) -> None:
         """Called once after the prompt ran, with its states after each of ``prefill_layers`` (``[1, P, H]``)."""
@@ -111,6 +114,10 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, state: DecodeState, max_tokens: int) -> Proposal:
         """Draft at most ``max_tokens`` tokens after ``state.token_ids``."""
+
+    def take_features(self, final_states: torch.Tensor) -> None:
+        """(``wants_features`` drafters) The target's last-layer states ``[n, H]`` (before its final norm) of the
+        next n committed tokens: after each step, x and the accepted drafts, in order."""
 
     def observe(self, proposal: Proposal, num_accepted: int) -> None:
         """Told after each step how many drafted tokens the target accepted (for adaptive drafters)."""

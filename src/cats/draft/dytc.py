@@ -234,7 +234,7 @@ class DyTCDrafter(Drafter):
 
     def __init__(self, options: Sequence[DraftOption], lookup: PromptLookupDrafter | None = None,
                  lookahead_tokens: int = 4, decay: float = DECAY, window: int = WINDOW,
-                 forgetting: float = FORGETTING, clock: Callable[[], float] = time.perf_counter):
+                 forgetting: float = FORGETTING, clock: Callable[[], float] = time.perf_counter, features=None):
         if not options and lookup is None:
             raise InvalidArgumentError("DyTC needs at least one drafter (prompt lookup or a model drafter)")
         keys = [option.key for option in options]
@@ -251,14 +251,21 @@ class DyTCDrafter(Drafter):
         if len({id(getattr(option.drafter, "adapter", None)) for option in with_cache}) > 1:
             raise InvalidArgumentError("DyTC can hold one draft adapter (drafters with their own cache layers must "
                                        "share it)")
+        if features is not None and with_cache:
+            raise InvalidArgumentError("DyTC holds either an early-exit draft adapter or a feature draft adapter")
+        # the feature drafter (`cats.draft.feature`) shared by its options: it takes the target's final states of
+        # every committed token whichever option drafted, and catches up on them when one of its options is chosen
+        self.features = features
+        self.wants_features = features is not None
         self.options = {option.key: option for option in options}
         self.lookup, self.lookahead_tokens = lookup, lookahead_tokens if lookup is not None else 0
         self.decay, self.window, self.clock = decay, window, clock
         self.synced = with_cache[0].drafter if with_cache else None  # the adapter drafter kept in sync
-        self.cache_layers = self.synced.cache_layers if self.synced else 0
-        self.prefill_layers = tuple(sorted({layer for o in options for layer in o.drafter.prefill_layers}))
+        self.cache_layers = self.synced.cache_layers if self.synced else features.cache_layers if features else 0
+        self.prefill_layers = tuple(sorted({layer for o in options for layer in o.drafter.prefill_layers}
+                                           | set(features.prefill_layers if features else ())))
         # drafters whose prefill runs once: one per adapter, and any other drafter that asks for prompt states
-        self._prefilled = ([self.synced] if self.synced else []) + [
+        self._prefilled = ([self.synced] if self.synced else []) + ([features] if features else []) + [
             o.drafter for o in options if o.drafter.prefill_layers and not o.drafter.cache_layers]
         self.tree_yield = {  # trees: mean accepted tokens per step, prior from the per-token prior over the depth
             key: WindowedAverage(expected_accepted(o.prior_acceptance, getattr(o.drafter, "depth", o.max_tokens)),
@@ -421,6 +428,9 @@ class DyTCDrafter(Drafter):
         self._counts["drafted"][key] += decision.k
         return proposal
 
+    def take_features(self, final_states: torch.Tensor) -> None:
+        self.features.take_features(final_states)
+
     def observe(self, proposal: Proposal, num_accepted: int) -> None:
         decision, self._decision = self._decision, None
         if decision is None:
@@ -563,7 +573,7 @@ def draft_cost(model, layer_fraction: float) -> float:
 
 def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max_ngram: int = 3,
               num_tokens: int | None = None, lookahead_tokens: int = 4, tree_topk: int = 4, total_tokens: int = 16,
-              depth: int = 5) -> DyTCDrafter:
+              depth: int = 5, feature_adapter=None) -> DyTCDrafter:
     """The training-free hierarchy of CAS-Spec plus, optionally, a trained draft adapter:
 
     * prompt lookup (up to 10 tokens), also the bottom look-ahead;
@@ -571,7 +581,9 @@ def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max
       cascade); with two or more sparsities also ``ls<lowest><ls<highest><pld``, the densest drafter assisted by
       the sparsest;
     * with ``adapter``, the early exit through it: chains (``draft-adapter``) and dynamic trees of
-      ``total_tokens`` nodes (``draft-tree``, shaped by ``tree_topk`` and ``depth`` as in method ``tree``).
+      ``total_tokens`` nodes (``draft-tree``, shaped by ``tree_topk`` and ``depth`` as in method ``tree``);
+    * or, with ``feature_adapter``, feature drafting (method ``eagle``): chains (``eagle-chain``) and trees
+      (``eagle``), one drafter behind both.
 
     Model drafters draft up to ``num_tokens`` (default 8) tokens. Priors: a layer-skip drafter's calibrated
     agreement, the adapter's held-out agreement (0.6 if unknown); costs from the share of the weights a draft token
@@ -612,7 +624,22 @@ def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max
         # a tree runs the draft layers on its expanded nodes only: about depth * tree_topk of total_tokens
         expanded = min(1.0, (depth * tree_topk + 1) / total_tokens)
         options.append(DraftOption("draft-tree", tree, total_tokens, prior, cost * expanded, tree=True))
-    return DyTCDrafter(options, lookup=lookup, lookahead_tokens=lookahead_tokens)
+    core = None
+    if feature_adapter is not None:
+        from cats.draft.feature import FeatureDrafter, FeatureShape
+
+        if adapter is not None:
+            raise InvalidArgumentError("dytc takes an early-exit draft adapter or a feature draft adapter, not both")
+        core = FeatureDrafter(model, feature_adapter, tree_topk=tree_topk, total_tokens=total_tokens, depth=depth)
+        final = (feature_adapter.config.training or {}).get("final_eval") or {}
+        prior = float(final.get("agreement", 0.5))
+        # one adapter block and the (reduced) head per draft token: the block's share of a forward, plus the head
+        cost = draft_cost(model, 1.0 / model.num_layers)
+        options.append(DraftOption("eagle-chain", FeatureShape(core, 1, limit, limit), limit, prior, cost))
+        expanded = min(1.0, (depth * tree_topk + 1) / total_tokens)
+        options.append(DraftOption("eagle", FeatureShape(core, tree_topk, total_tokens, depth), total_tokens, prior,
+                                   cost * expanded, tree=True))
+    return DyTCDrafter(options, lookup=lookup, lookahead_tokens=lookahead_tokens, features=core)
 
 
 def _rounded(values: list[float] | None) -> list[float] | None:

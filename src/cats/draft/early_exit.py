@@ -41,6 +41,9 @@ class EarlyExitDrafter(Drafter):
 
     def __init__(self, model: LayeredModel, layer: int | None = None, num_tokens: int = 4,
                  adapter: Adapter | None = None, threshold: float = 0.0):
+        if adapter is not None and adapter.fc is not None:
+            raise InvalidArgumentError("this is a feature draft adapter (it reads the target's final features): "
+                                       "use it with --method eagle")
         if adapter is not None:
             if layer is not None and layer != adapter.config.layer:
                 raise InvalidArgumentError(f"draft layer {layer} given, but the draft adapter was trained at layer "

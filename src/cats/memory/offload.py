@@ -209,7 +209,7 @@ def memory_needs(config, dtype: torch.dtype, method: str = "ar", adapters: str |
     needs = MemoryNeeds(context_tokens=context_tokens or min(DEFAULT_CONTEXT_TOKENS, context), prefetch=prefetch,
                         prompt_tokens=prompt_tokens)
     layers, extra, resident = [], 0, 0
-    if adapters is not None and method not in ("ar", "pld"):
+    if adapters is not None and method not in ("ar", "pld", "eagle"):
         roles = ("draft", "shallow") if method == "cats" else ("draft",)
         for role in roles:
             layer, size = adapter_bytes(find_adapter(adapters, role), config.hidden_size, itemsize)
@@ -219,6 +219,11 @@ def memory_needs(config, dtype: torch.dtype, method: str = "ar", adapters: str |
                 needs.shallow_layers = layer
             resident += size
             extra += 1
+    if method == "eagle" and adapters is not None:  # drafts from the final features: no target layer must stay
+        resident += adapter_bytes(find_adapter(adapters, "feature"), config.hidden_size, itemsize)[1]
+        extra += 1
+    if method == "eagle":
+        needs.max_tree_tokens = (total_tokens or 16) + 1
     if method in ("layer-skip", "dytc"):  # they draft through every layer: all of them must stay resident
         layers.append(config.num_hidden_layers)
     if method in ("early-exit", "tree", "cats-no-shallow", "cats") and not layers:
@@ -226,7 +231,9 @@ def memory_needs(config, dtype: torch.dtype, method: str = "ar", adapters: str |
     needs.min_resident_layers = min(max(layers, default=0), config.num_hidden_layers)
     needs.adapter_bytes, needs.extra_cache_layers = resident, extra
     kind = "chain" if method == "early-exit" else "cascade" if method == "cats" else "tree"
-    if method == "pld":
+    if method == "eagle":
+        pass  # set above: its tree size is fixed (--total-tokens), not left to the budget
+    elif method == "pld":
         needs.max_tree_tokens = (num_draft_tokens or 10) + 1
     elif method == "early-exit" and num_draft_tokens is not None:
         needs.max_tree_tokens = num_draft_tokens + 1

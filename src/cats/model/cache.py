@@ -161,15 +161,18 @@ class KVCache:
                 self._lengths[i] = length
 
     def keep(self, slots: torch.Tensor, layers: Iterable[int] | None = None) -> None:
-        """Keep only the given slots (ascending ``LongTensor``), e.g. the prefix plus an accepted tree path."""
+        """Keep only the given slots (ascending ``LongTensor``), e.g. the prefix plus an accepted tree path; a layer
+        keeps those of them it holds (a drafter's own layer may hold fewer slots than the target's)."""
         slots = slots.cpu()
         for i in self._layers(layers):
-            if self._lengths[i] == 0:
+            length = self._lengths[i]
+            if length == 0:
                 continue
-            self.hf_cache.layers[i].keep(slots)
+            held = slots if not slots.numel() or int(slots[-1]) < length else slots[slots < length]
+            self.hf_cache.layers[i].keep(held)
             buffer = self._position_buffers[i]
-            buffer[: slots.numel()] = buffer.index_select(0, slots)
-            self._lengths[i] = slots.numel()
+            buffer[: held.numel()] = buffer.index_select(0, held)
+            self._lengths[i] = held.numel()
 
     def split_off(self, length: int, layers: Iterable[int]) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Remove the slots after the first ``length`` of ``layers`` and return copies of them (keys, values,

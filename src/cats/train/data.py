@@ -23,6 +23,11 @@ Folder format ``cats-train-data/1``:
   ``topk_probs``      fp16 [N, K]  their probabilities (softmax of the final logits, temperature 1)
   ==================  ===========  =====================================================================
 
+Final features (for feature draft adapters, ``cats train features``): ``features-NNNNN.safetensors`` beside shard
+NNNNN holds ``features`` bf16 [N, H], the target's final normed state at each position (what its lm_head reads),
+from a teacher-forced forward of each unpadded sample in the data's dtype; files are written under temporary names
+and renamed, so a killed run resumes at the first shard without one.
+
 Every stored state comes from a teacher-forced forward of the UNPADDED sequence through `LayeredModel`, so it is
 exactly what ``forward_layers(embed(ids), 0, L, cache)`` gives; only the answers come from batched generation.
 
@@ -431,6 +436,49 @@ def _report(bar, line: str) -> None:
         print(line, file=sys.stderr)
 
 
+# ====================================================================== final features
+def features_name(shard_file: str) -> str:
+    """``shard-00003.safetensors`` -> ``features-00003.safetensors``."""
+    return "features-" + shard_file.removeprefix("shard-")
+
+
+@torch.inference_mode()
+def make_features(model, path: str | Path, progress: bool = True) -> int:
+    """Write the final-feature file of every shard of data folder ``path`` that lacks one; return how many were
+    written. ``model`` must be the data's model in the data's dtype (the features must be what decoding sees)."""
+    from safetensors.torch import save_file
+
+    data = TrainingData.open(path, model=model)
+    wanted = str(data.meta["dtype"])
+    if str(model.dtype).removeprefix("torch.") != wanted:
+        raise InvalidArgumentError(f"{data.path} was made in {wanted}; load the model with --dtype {wanted} to "
+                                   f"compute its features (it is {str(model.dtype).removeprefix('torch.')})")
+    todo = [i for i, shard in enumerate(data.shards) if not (data.path / features_name(shard["file"])).is_file()]
+    bar = None
+    if progress and todo:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(data.shards[i]["tokens"] for i in todo), unit="tok", desc="cats train features",
+                   dynamic_ncols=True)
+    for index in todo:
+        first = data._first_sample[index]
+        rows = []
+        for i in range(first, first + data.shards[index]["samples"]):
+            ids = data.sample(i, layers=[])["input_ids"]
+            hidden = model.forward_layers(model.embed(ids), 0, model.num_layers, model.new_cache())
+            rows.append(model.decoder.norm(hidden)[0].to(torch.bfloat16).cpu())
+            if bar is not None:
+                bar.update(ids.numel())
+        name = features_name(data.shards[index]["file"])
+        temporary = data.path / (name + ".tmp")
+        save_file({"features": torch.cat(rows) if rows else torch.zeros(0, data.hidden_size, dtype=torch.bfloat16)},
+                  str(temporary), metadata={"format": FORMAT})
+        os.replace(temporary, data.path / name)
+    if bar is not None:
+        bar.close()
+    return len(todo)
+
+
 # ====================================================================== reading
 class TrainingData:
     """A data folder made by ``cats train data``, read lazily: shards are opened with safetensors ``safe_open``
@@ -445,6 +493,7 @@ class TrainingData:
         for shard in self.shards:
             self._first_sample.append(self._first_sample[-1] + shard["samples"])
         self._open: OrderedDict[int, tuple] = OrderedDict()
+        self._features: OrderedDict[int, object] = OrderedDict()
         self._lengths: list[int] | None = None
 
     @classmethod
@@ -484,10 +533,15 @@ class TrainingData:
         for i in range(self.num_samples):
             yield self.sample(i)
 
-    def sample(self, i: int, layers: list[int] | None = None) -> dict:
+    @property
+    def has_features(self) -> bool:
+        """Whether every shard has its final-feature file (``cats train features``)."""
+        return all((self.path / features_name(shard["file"])).is_file() for shard in self.shards)
+
+    def sample(self, i: int, layers: list[int] | None = None, features: bool = False) -> dict:
         """Sample ``i``: ``input_ids`` [T] long, ``loss_mask`` [T] bool, ``prompt_length``, ``prompt_index``,
         ``hidden`` {L: [T, H] bf16} (``layers``: only these, default all), ``topk_ids`` [T, K] long,
-        ``topk_probs`` [T, K] float32."""
+        ``topk_probs`` [T, K] float32; with ``features``, also ``features`` [T, H] bf16 (the final normed states)."""
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range: {self.path} holds {self.num_samples} samples")
         layers = self.layers if layers is None else layers
@@ -502,7 +556,7 @@ class TrainingData:
         def read(name):
             return handle.get_slice(name)[rows]
 
-        return {
+        record = {
             "input_ids": read("input_ids").long(),
             "loss_mask": read("loss_mask").bool(),
             "prompt_length": int(prompt_lengths[local]),
@@ -511,6 +565,22 @@ class TrainingData:
             "topk_ids": read("topk_ids").long(),
             "topk_probs": read("topk_probs").float(),
         }
+        if features:
+            record["features"] = self._feature_handle(shard_index).get_slice("features")[rows]
+        return record
+
+    def _feature_handle(self, index: int):
+        from safetensors import safe_open
+
+        if index not in self._features:
+            file = self.path / features_name(self.shards[index]["file"])
+            if not file.is_file():
+                raise InvalidArgumentError(f"{self.path} has no final features for {self.shards[index]['file']}; "
+                                           f"compute them with `cats train features --data {self.path}`")
+            self._features[index] = safe_open(str(file), framework="pt")
+            while len(self._features) > self.MAX_OPEN_SHARDS:
+                self._features.popitem(last=False)
+        return self._features[index]
 
     def sample_length(self, i: int) -> int:
         """Tokens of sample ``i`` (prompt + response), without reading its tensors."""
@@ -596,6 +666,30 @@ def add_data_parser(subparsers) -> None:
     data.add_argument("--seed", type=integer, default=0, help="sampling seed (default 0)")
     data.add_argument("--no-progress", action="store_true", help="no progress bar (per-shard lines still print)")
     data.set_defaults(run=run_data_command)
+
+
+def add_features_parser(subparsers) -> None:
+    from cats.cli import add_model_arguments
+
+    parser = subparsers.add_parser(
+        "features", help="add the target's final features to a data folder (for feature draft adapters)",
+        description="Teacher-forces every sample of a `cats train data` folder through the whole target and writes "
+                    "its final normed states (what the lm_head reads) beside each shard; resumes at the first shard "
+                    "without them. Load the model in the data's dtype.")
+    add_model_arguments(parser)
+    parser.add_argument("--data", type=Path, required=True, help="data folder (cats train data)")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(run=run_features_command)
+
+
+def run_features_command(args: argparse.Namespace) -> int:
+    import cats
+    from cats.cli import default_model
+
+    model = cats.load(args.model or default_model(), dtype=args.dtype)
+    written = make_features(model, args.data, progress=not args.no_progress)
+    print(f"{args.data}: final features written for {written} shard(s)")
+    return 0
 
 
 def run_data_command(args: argparse.Namespace) -> int:

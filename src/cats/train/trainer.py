@@ -7,6 +7,10 @@ cost, and subsampling buys more optimizer steps (the first trial's finding). Ada
 decay, gradient clipping. Checkpoints (accelerate state + our position in the data) every N steps and at each
 epoch end; a rerun with the same arguments resumes from the last one.
 
+A feature draft adapter (``--input features``, EAGLE-style, see `cats.draft.adapter`) trains on the data's final
+features (``cats train features``): position t gets ``[f_t, e(x_{t+1})]`` and learns the target's distribution at
+t+1 (the token after next), plus ``--feature-loss`` times a smooth-L1 regression of its output to f_{t+1}.
+
 Held-out evaluation (each epoch, and every ``--eval-every`` steps for the learning curve) on data made from prompts
 never trained on (MT-Bench first turns answered by the target):
   * agreement: top-1 of the adapter equals the target's top-1, over response positions;
@@ -29,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from cats.draft.adapter import BLOCKS, INITS, ROLES, Adapter, new_adapter
+from cats.draft.adapter import BLOCKS, INITS, INPUTS, ROLES, Adapter, new_adapter
 from cats.errors import InvalidArgumentError
 from cats.model import LayeredModel
 from cats.train.card import write_model_card
@@ -53,6 +57,8 @@ class TrainConfig:
     init: str = "next"
     block: str = "decoder"
     draft_vocab: int | None = None  # reduced vocabulary: the N most frequent response tokens of the training data
+    input: str = "hidden"  # "hidden" (state after `layer`) or "features" (EAGLE-style; layer = the model's depth)
+    feature_loss: float = 1.0  # feature adapters: weight of the smooth-L1 regression to the next final feature
     eval_every: int = 0  # steps between held-out evaluations (0: at epoch ends only)
     checkpoint_every: int = 200
     max_steps: int | None = None
@@ -66,9 +72,20 @@ class TrainConfig:
             raise InvalidArgumentError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.init not in INITS or self.block not in BLOCKS:
             raise InvalidArgumentError(f"--init must be one of {', '.join(INITS)} and --block one of {', '.join(BLOCKS)}")
-        if not 1 <= self.layer < model.num_layers:
+        if self.input not in INPUTS:
+            raise InvalidArgumentError(f"--input must be one of {', '.join(INPUTS)}, got {self.input!r}")
+        if self.input == "features":
+            if self.role != "draft" or self.layer != model.num_layers:
+                raise InvalidArgumentError(f"a feature adapter drafts from the features after all layers: use "
+                                           f"--role draft --layer {model.num_layers}")
+            if not data.has_features:
+                raise InvalidArgumentError(f"{data.path} has no final features; run `cats train features --data "
+                                           f"{data.path}` first")
+            if self.feature_loss < 0:
+                raise InvalidArgumentError(f"--feature-loss must be >= 0, got {self.feature_loss}")
+        elif not 1 <= self.layer < model.num_layers:
             raise InvalidArgumentError(f"--layer {self.layer} is outside [1, {model.num_layers})")
-        if self.layer not in data.layers:
+        elif self.layer not in data.layers:
             raise InvalidArgumentError(f"the training data holds hidden states of layers {data.layers}, not of layer "
                                        f"{self.layer}; make data with --layers including {self.layer}")
         if self.epochs <= 0 or self.lr <= 0 or self.batch_tokens < 1 or not 0 < self.position_fraction <= 1:
@@ -97,6 +114,20 @@ def make_batches(data: TrainingData, batch_tokens: int, rng: random.Random) -> l
     return batches
 
 
+def load_sample(data: TrainingData, index: int, layer: int, adapter: Adapter) -> dict:
+    """Sample ``index`` as the adapter reads it: ``hidden[layer]`` is its input. For a feature adapter the sample
+    is shifted by one: position t holds ``[f_t, e(x_{t+1})]``, its teacher is the target's distribution at t+1,
+    and ``next_features`` [T-1, H] holds f_{t+1}."""
+    if adapter.fc is None:
+        return data.sample(index, layers=[layer])
+    sample = data.sample(index, layers=[], features=True)
+    features, ids = sample.pop("features"), sample["input_ids"]
+    with torch.no_grad():
+        inputs = adapter.feature_inputs(features[:-1].to(adapter.fc.weight.dtype), ids[1:])
+    return {**sample, "input_ids": ids[1:], "loss_mask": sample["loss_mask"][1:], "hidden": {layer: inputs},
+            "topk_ids": sample["topk_ids"][1:], "topk_probs": sample["topk_probs"][1:], "next_features": features[1:]}
+
+
 @dataclass
 class Batch:
     hidden: torch.Tensor  # [B, T, H] target states after layer L (right-padded)
@@ -105,6 +136,7 @@ class Batch:
     teacher_ids: torch.Tensor  # [P, K] adapter-vocabulary indices of the target's top-k (-1: outside it)
     teacher_probs: torch.Tensor  # [P, K] the target's probabilities of those entries
     teacher_top1: torch.Tensor  # [P] the target's most likely token id
+    next_features: torch.Tensor | None = None  # [P, H] feature adapters: the target's final feature f_{t+1}
 
 
 def collate(samples: list[dict], layer: int, vocab_index: torch.Tensor | None, dtype, device, kind_window: int | None) -> Batch:
@@ -116,7 +148,7 @@ def collate(samples: list[dict], layer: int, vocab_index: torch.Tensor | None, d
     if kind_window:
         steps = torch.arange(width)
         causal &= (steps[:, None] - steps[None, :]) < kind_window
-    rows, cols, ids, probs = [], [], [], []
+    rows, cols, ids, probs, targets = [], [], [], [], []
     for row, (sample, length) in enumerate(zip(samples, lengths)):
         hidden[row, :length] = sample["hidden"][layer].to(dtype)
         visible[row, :length, :length] = causal[:length, :length]
@@ -126,13 +158,16 @@ def collate(samples: list[dict], layer: int, vocab_index: torch.Tensor | None, d
         cols.append(where)
         ids.append(sample["topk_ids"][where])
         probs.append(sample["topk_probs"][where].float())
+        if "next_features" in sample:
+            targets.append(sample["next_features"][where].to(dtype))
     mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
     teacher_ids, teacher_probs = torch.cat(ids), torch.cat(probs)
     top1 = teacher_ids[:, 0].clone()
     if vocab_index is not None:
         teacher_ids = vocab_index[teacher_ids]
+    next_features = torch.cat(targets).to(device) if targets else None
     return Batch(hidden.to(device), mask.to(device), torch.stack([torch.cat(rows), torch.cat(cols)], 1),
-                 teacher_ids.to(device), teacher_probs.to(device), top1.to(device))
+                 teacher_ids.to(device), teacher_probs.to(device), top1.to(device), next_features)
 
 
 def soft_cross_entropy(logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_probs: torch.Tensor) -> torch.Tensor:
@@ -155,7 +190,7 @@ def evaluate(adapter: Adapter, data: TrainingData, layer: int, vocab_index, devi
     agree_total, overlap_total, positions, chain_lengths = 0, 0.0, 0, []
     batches = make_batches(data, batch_tokens, random.Random(0))
     for indices in batches:
-        samples = [data.sample(i, layers=[layer]) for i in indices]
+        samples = [load_sample(data, i, layer, adapter) for i in indices]
         batch = collate(samples, layer, vocab_index, adapter.norm.weight.dtype, device, _window(adapter))
         normed = adapter(batch.hidden, attention_mask=batch.attention_mask)
         logits = adapter.logits(normed[batch.positions[:, 0], batch.positions[:, 1]]).float()
@@ -214,7 +249,8 @@ def train_adapter(model: LayeredModel, data: TrainingData, config: TrainConfig, 
         vocab_index = torch.full((model.vocab_size,), -1, dtype=torch.long)
         vocab_index[torch.tensor(vocab)] = torch.arange(len(vocab))
     torch.manual_seed(config.seed)
-    adapter = new_adapter(model, config.role, config.layer, block=config.block, init=config.init, vocab_subset=vocab)
+    adapter = new_adapter(model, config.role, config.layer, block=config.block, init=config.init, vocab_subset=vocab,
+                          input=config.input)
     adapter.train()
     batches_per_epoch = len(make_batches(data, config.batch_tokens, random.Random(config.seed)))
     total_steps = max(1, math.ceil(batches_per_epoch * config.epochs / accelerator.num_processes))
@@ -246,7 +282,7 @@ def train_adapter(model: LayeredModel, data: TrainingData, config: TrainConfig, 
         for batch_number in range(state["batch"], len(batches)):
             if state["step"] >= total_steps:
                 break
-            samples = [data.sample(i, layers=[config.layer]) for i in batches[batch_number]]
+            samples = [load_sample(data, i, config.layer, adapter) for i in batches[batch_number]]
             batch = collate(samples, config.layer, vocab_index, model.dtype, device, window)
             chosen = torch.rand(batch.positions.shape[0], generator=rng_positions) < config.position_fraction
             if not chosen.any():
@@ -255,6 +291,10 @@ def train_adapter(model: LayeredModel, data: TrainingData, config: TrainConfig, 
             normed = wrapped(batch.hidden, attention_mask=batch.attention_mask)
             logits = adapter.logits(normed[where[:, 0], where[:, 1]])
             loss = soft_cross_entropy(logits, batch.teacher_ids[chosen.to(device)], batch.teacher_probs[chosen.to(device)])
+            if batch.next_features is not None and config.feature_loss:  # regression on every loss position
+                every = batch.positions
+                loss = loss + config.feature_loss * torch.nn.functional.smooth_l1_loss(
+                    normed[every[:, 0], every[:, 1]].float(), batch.next_features.float())
             accelerator.backward(loss)
             if config.grad_clip:
                 accelerator.clip_grad_norm_(wrapped.parameters(), config.grad_clip)
@@ -368,6 +408,12 @@ def add_adapter_parser(subparsers) -> None:
     parser.add_argument("--init", choices=INITS, default="next",
                         help="next: the target's layer L (0-based, the one the adapter replaces); copy: its last layer")
     parser.add_argument("--block", choices=BLOCKS, default="decoder", help="decoder (attention + MLP) or attention only")
+    parser.add_argument("--input", choices=INPUTS, default="hidden",
+                        help="hidden: the state after --layer; features: EAGLE-style feature draft adapter reading the "
+                             "final features and the next token (--role draft --layer <num layers>; needs "
+                             "`cats train features`)")
+    parser.add_argument("--feature-loss", type=float, default=1.0,
+                        help="feature adapters: weight of the smooth-L1 regression to the next feature (default 1)")
     parser.add_argument("--draft-vocab", type=integer, default=None,
                         help="reduced vocabulary: the N most frequent response tokens of the data (e.g. 8192)")
     parser.add_argument("--eval-every", type=integer, default=0, help="held-out evaluation every N steps (and each epoch)")
@@ -395,6 +441,7 @@ def run_adapter_command(args: argparse.Namespace) -> int:
         role=args.role, layer=args.layer, out=args.out, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
         warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, position_fraction=args.position_fraction,
         init=args.init, block=args.block, draft_vocab=args.draft_vocab, eval_every=args.eval_every,
+        input=args.input, feature_loss=args.feature_loss,
         checkpoint_every=args.checkpoint_every, max_steps=args.max_steps, seed=args.seed,
         tensorboard=args.tensorboard, progress=not args.no_progress, command="cats " + " ".join(sys.argv[1:]),
     )
