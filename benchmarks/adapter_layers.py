@@ -35,16 +35,24 @@ DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 @torch.inference_mode()
 def step_cost(model, adapter, repeats: int = 60) -> tuple[float, float]:
-    """Median seconds of one draft step (one token through [0, L) + adapter + head) and of one full forward."""
+    """Median seconds of one draft step (one token through [0, L) + adapter + head; a feature adapter: its fc,
+    block and head on one [feature, token] input) and of one full forward."""
     layer = adapter.config.layer
     cache = model.new_cache(extra_layers=1)
     adapter.cache_layer = model.num_layers
     prompt = torch.randint(100, 10000, (64,))
-    hidden = model.forward_layers(model.embed(prompt), 0, layer, cache)
-    adapter(hidden, cache)
-    model.forward_layers(hidden, layer, model.num_layers, cache)
+    features = adapter.fc is not None
+    hidden = model.forward_layers(model.embed(prompt), 0, model.num_layers if features else layer, cache)
+    if features:  # the adapter's cache holds the prompt's entries, as after a catch-up
+        normed = model.decoder.norm(hidden)[0]
+        adapter(adapter.feature_inputs(normed, prompt)[None], cache)
+    else:
+        adapter(hidden, cache)
+        model.forward_layers(hidden, layer, model.num_layers, cache)
 
     def draft_once(token):
+        if features:
+            return adapter.logits(adapter(adapter.feature_inputs(normed[-1:], token)[None], cache)[0]).argmax()
         h = model.forward_layers(model.embed(token), 0, layer, cache)
         return adapter.logits(adapter(h, cache)[0]).argmax()
 

@@ -1,9 +1,11 @@
-"""The draft adapter's step cost relative to a full forward (issue 9's target: <= 0.10 with the reduced draft
-vocabulary), with and without prepacked bf16 weights (``--pack-weights``), in one process:
+"""The draft adapters' step cost relative to a full forward (issue 9's target: <= 0.10 with the reduced draft
+vocabulary): the early-exit draft adapter (draft/) and the feature draft adapter (feature/, method eagle), with and
+without prepacked bf16 weights (``--pack-weights``), in one process:
 
     python benchmarks/draft_step.py [--adapters adapters/smollm2-135m-instruct] [--dtype bfloat16 float32]
 
-One draft step = one token through layers [0, L_d) + the draft adapter's block, norm and head rows; one full forward
+One draft step = one token through layers [0, L_d) + the draft adapter's block, norm and head rows (feature adapter:
+its fc, block, norm and head rows on one [feature, token] input, no target layer); one full forward
 = one token through every layer + the final norm and the whole lm_head (what `ar` pays per token). Context 64
 tokens, medians of ``--repeats`` steps (the first 5 dropped), the two interleaved per packing state."""
 
@@ -32,19 +34,22 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=80)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print("| dtype | weights | draft step ms | full forward ms | draft / full |")
-    print("|---|---|---|---|---|")
+    print("| dtype | adapter | weights | draft step ms | full forward ms | draft / full |")
+    print("|---|---|---|---|---|---|")
     for dtype in args.dtype:
         model = load_model(args.model or default_model(), dtype=dtype)
-        adapter = load_adapter(Path(args.adapters) / "draft", model).eval()
+        adapters = [(role, load_adapter(Path(args.adapters) / role, model).eval())
+                    for role in ("draft", "feature") if (Path(args.adapters) / role / "config.json").is_file()]
         states = [("plain", None)]
         if lean.pack_available(model.dtype) is None:
             states.append(("packed", lean.pack_linears))
         for name, apply in states:
             if apply is not None:
                 apply(model)
-            draft, full = step_cost(model, adapter, args.repeats)
-            print(f"| {dtype} | {name} | {draft * 1e3:.2f} | {full * 1e3:.2f} | {draft / full:.3f} |", flush=True)
+            for role, adapter in adapters:
+                draft, full = step_cost(model, adapter, args.repeats)
+                print(f"| {dtype} | {role} | {name} | {draft * 1e3:.2f} | {full * 1e3:.2f} | {draft / full:.3f} |",
+                      flush=True)
         lean.unpack_linears(model)
     return 0
 

@@ -47,9 +47,11 @@ def test_eagle_equals_hf_greedy_for_every_tree_shape(family, damp):
     model = tiny_model(family, damp=damp)
     adapter = feature_adapter(model)
     accepted = 0
-    for prompt in prompts():
+    # random models reject nearly every draft: two prompts and two shapes cover them
+    cases = prompts() if damp else prompts()[1:]
+    for prompt in cases:
         expected = hf_greedy(model, prompt, NEW_TOKENS)
-        for shape in SHAPES:
+        for shape in SHAPES if damp else SHAPES[::2]:
             result = run(model, FeatureDrafter(model, adapter, **shape), prompt)
             assert result.token_ids == expected, f"{family} {shape} prompt={prompt[:4]}..."
             stats = result.stats

@@ -1,7 +1,7 @@
 """The contract on a real model: SmolLM2-135M-Instruct (float32) on 20 MT-Bench first turns x 64 new tokens,
 `pld`, `early-exit` (trained draft adapter, chain) and `cats` (trained adapters, tree + cascade with a redraft pass)
-produce exactly transformers' greedy tokens; in the slow run (`-m slow`) also `tree`, `layer-skip` (a fixed skip set
-at sparsity 0.4, prompt lookup under it; ~4 min) and `dytc`.
+produce exactly transformers' greedy tokens; in the slow run (`-m slow`) also `tree`, `eagle` (trained feature
+adapter, tree), `layer-skip` (a fixed skip set at sparsity 0.4, prompt lookup under it; ~4 min) and `dytc`.
 
 A difference is tolerated only where it is a numerical near-tie of the reference (top-2 logit gap < 1e-4 at the
 first differing position); such cases are counted and printed, never silently passed."""
@@ -18,6 +18,7 @@ from cats.cascade import CascadeScorer
 from cats.draft import EarlyExitDrafter, LayerSkipDrafter, PromptLookupDrafter, SkipSet, TreeDrafter
 from cats.draft.dytc import DraftOption, DyTCDrafter
 from cats.draft.adapter import load_adapter, new_adapter
+from cats.draft.feature import FeatureDrafter
 from cats.generate import GenerationConfig, Generator, encode_prompt
 from tests.conftest import MT_BENCH, REPO_ROOT, SMOLLM2, hf_greedy, needs
 
@@ -60,6 +61,12 @@ def make_generator(model, method):
         return Generator(model, PromptLookupDrafter(num_tokens=10))
     if method == "layer-skip":
         return Generator(model, LayerSkipDrafter(model, SKIP_04, num_tokens=4, assist=PromptLookupDrafter(6)))
+    if method == "eagle":
+        if (TRAINED / "feature").is_dir():
+            feature = load_adapter(TRAINED / "feature", model, role="draft", layer=model.num_layers)
+        else:
+            feature = new_adapter(model, "draft", model.num_layers, input="features", vocab_subset=list(range(8192)))
+        return Generator(model, FeatureDrafter(model, feature, tree_topk=3, total_tokens=10, depth=4))
     if TRAINED.is_dir():
         draft = load_adapter(TRAINED / "draft", model, role="draft")
         shallow = load_adapter(TRAINED / "shallow", model, role="shallow")
@@ -82,7 +89,7 @@ def make_generator(model, method):
     return Generator(model, drafter, scorer=scorer)
 
 
-@pytest.mark.parametrize("method", ["pld", "early-exit", pytest.param("tree", marks=pytest.mark.slow), "cats",
+@pytest.mark.parametrize("method", ["pld", "early-exit", pytest.param("tree", marks=pytest.mark.slow), "cats", pytest.param("eagle", marks=pytest.mark.slow),
                                     pytest.param("layer-skip", marks=pytest.mark.slow), pytest.param("dytc", marks=pytest.mark.slow)])
 def test_smollm2_matches_transformers_greedy(smollm2, references, method, capsys):
     generator = make_generator(smollm2, method)

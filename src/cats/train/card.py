@@ -14,12 +14,16 @@ def write_model_card(folder: str | Path) -> Path:
     config = json.loads((folder / "config.json").read_text())
     training = config.get("training", {})
     curve = training.get("learning_curve") or []
+    features = config.get("input") == "features"
+    title = "feature draft adapter (EAGLE-style)" if features else f"{config['role']} adapter, layer {config['layer']}"
     lines = [
-        f"# CATS {config['role']} adapter, layer {config['layer']}",
+        f"# CATS {title}",
         "",
+        *([f"- input: the target's final features after all {config['layer']} layers and the next token's embedding "
+           "(`cats generate --method eagle`)"] if features else []),
         f"- base model: `{config['base_model']['name']}` ({config['architecture']}, "
         f"{config['base_model']['num_layers']} layers, fingerprint `{config['base_model']['fingerprint']}`)",
-        f"- block: {config['block']} (initialised: {config['init']}), vocabulary: "
+        f"- block: {config['block']} (initialised: {('random' if config['init'] == 'random' else 'last layer') if features else config['init']}), vocabulary: "
         + (f"{len(config['vocab_subset'])} most frequent response tokens" if config.get("vocab_subset") else "full"),
         f"- training data: `{training.get('data')}` ({training.get('data_samples')} samples, "
         f"{training.get('data_response_tokens')} response tokens); held-out: `{training.get('eval_data')}`",
@@ -37,7 +41,7 @@ def write_model_card(folder: str | Path) -> Path:
                   "| step | training tokens | wall s | agreement | overlap | E[accepted] |", "|---|---|---|---|---|---|"]
         lines += [f"| {p['step']} | {p['train_tokens']} | {p['wall_s']} | {p['agreement']:.3f} | {p['overlap']:.3f} | "
                   f"{p['expected_accepted_gamma6']:.2f} |" for p in curve]
-        _plot(curve, folder / CURVE_PLOT, f"{config['role']} adapter, layer {config['layer']}")
+        _plot(curve, folder / CURVE_PLOT, title)
     readme = folder / "README.md"
     readme.write_text("\n".join(lines) + "\n")
     return readme
