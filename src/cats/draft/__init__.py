@@ -31,23 +31,20 @@ def _draft_adapter(adapters: str | None, model: LayeredModel):
 
 
 def _feature_adapter(adapters: str | None, model: LayeredModel):
-    """The feature draft adapter of an adapters folder (``DIR/feature/``), if it has one."""
+    """The feature draft adapter of an adapters folder (``DIR/feature/``, or DIR itself when it is one), else None."""
+    import json
     from pathlib import Path
 
-    from cats.draft.adapter import load_adapter
+    from cats.draft.adapter import AdapterError, find_adapter, load_adapter
 
     if adapters is None:
         return None
-    import json
-
-    folder = Path(adapters) / "feature"
-    if not (folder / "config.json").is_file():  # DIR may be an adapter folder itself
-        folder = Path(adapters)
-        try:
-            if json.loads((folder / "config.json").read_text()).get("input") != "features":
-                return None
-        except (OSError, ValueError):
-            return None
+    try:
+        folder = find_adapter(adapters, "feature")
+        if folder == Path(adapters) and json.loads((folder / "config.json").read_text()).get("input") != "features":
+            return None  # DIR itself is an adapter of another kind
+    except (AdapterError, ValueError):
+        return None
     return load_adapter(folder, model, role="draft", layer=model.num_layers)
 
 
@@ -170,9 +167,9 @@ def make_feature_drafter(model: LayeredModel, adapters: str | None, num_draft_to
         raise InvalidArgumentError("eagle drafts from the target's final features: --draft-layer does not apply, and "
                                    "its draft length is --depth (a chain: --tree-topk 1)")
     adapter = load_adapter(find_adapter(adapters, "feature"), model, role="draft", layer=model.num_layers)
-    return FeatureDrafter(model, adapter, tree_topk=4 if tree_topk is None else tree_topk,
-                          total_tokens=16 if total_tokens is None else total_tokens, depth=5 if depth is None else depth,
-                          threshold=threshold)
+    shape = {key: value for key, value in (("tree_topk", tree_topk), ("total_tokens", total_tokens), ("depth", depth))
+             if value is not None}  # the rest: FeatureDrafter's defaults
+    return FeatureDrafter(model, adapter, threshold=threshold, **shape)
 
 
 def _sparsities(value: float | Sequence[float] | None, default: tuple[float, ...]) -> tuple[float, ...]:

@@ -614,6 +614,8 @@ def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max
         # about two tokens per dense forward: the sparse drafter's cost plus half the dense one's, per token
         cost = draft_cost(model, 1.0 - sparse.sparsity) + 0.5 * draft_cost(model, 1.0 - dense.sparsity)
         options.append(DraftOption(drafter.label, drafter, limit, dense.agreement, cost))
+    # a tree runs its draft step on its expanded nodes only: about depth * tree_topk of total_tokens
+    expanded = min(1.0, (depth * tree_topk + 1) / total_tokens)
     if adapter is not None:
         drafter = EarlyExitDrafter(model, adapter=adapter, num_tokens=limit)
         final = (adapter.config.training or {}).get("final_eval") or {}
@@ -621,8 +623,6 @@ def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max
         cost = draft_cost(model, (drafter.layer + 1) / model.num_layers)
         options.append(DraftOption("draft-adapter", drafter, limit, prior, cost))
         tree = TreeDrafter(model, adapter=adapter, tree_topk=tree_topk, total_tokens=total_tokens, depth=depth)
-        # a tree runs the draft layers on its expanded nodes only: about depth * tree_topk of total_tokens
-        expanded = min(1.0, (depth * tree_topk + 1) / total_tokens)
         options.append(DraftOption("draft-tree", tree, total_tokens, prior, cost * expanded, tree=True))
     core = None
     if feature_adapter is not None:
@@ -636,7 +636,6 @@ def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max
         # one adapter block and the (reduced) head per draft token: the block's share of a forward, plus the head
         cost = draft_cost(model, 1.0 / model.num_layers)
         options.append(DraftOption("eagle-chain", FeatureShape(core, 1, limit, limit), limit, prior, cost))
-        expanded = min(1.0, (depth * tree_topk + 1) / total_tokens)
         options.append(DraftOption("eagle", FeatureShape(core, tree_topk, total_tokens, depth), total_tokens, prior,
                                    cost * expanded, tree=True))
     return DyTCDrafter(options, lookup=lookup, lookahead_tokens=lookahead_tokens, features=core)

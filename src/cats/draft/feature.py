@@ -36,6 +36,8 @@ from cats.draft.base import DecodeState, Draw, Drafter, Proposal
 from cats.errors import InvalidArgumentError
 from cats.model import LayeredModel
 
+TREE_TOPK, TOTAL_TOKENS, DEPTH = 4, 16, 5  # the default tree shape (as method tree's)
+
 
 @dataclass
 class _Node:
@@ -64,8 +66,9 @@ class FeatureDrafter(Drafter):
     cache_layers = 1
     wants_features = True
 
-    def __init__(self, model: LayeredModel, adapter: Adapter, tree_topk: int = 4, total_tokens: int = 16,
-                 depth: int = 5, threshold: float = 0.0, cache_layer: int | None = None):
+    def __init__(self, model: LayeredModel, adapter: Adapter, tree_topk: int = TREE_TOPK,
+                 total_tokens: int = TOTAL_TOKENS, depth: int = DEPTH, threshold: float = 0.0,
+                 cache_layer: int | None = None):
         if adapter.fc is None:
             raise AdapterError(f"method eagle needs a feature draft adapter (input 'features', trained with "
                                f"`cats train adapter --input features`); this one reads layer {adapter.config.layer}'s "

@@ -222,8 +222,6 @@ def memory_needs(config, dtype: torch.dtype, method: str = "ar", adapters: str |
     if method == "eagle" and adapters is not None:  # drafts from the final features: no target layer must stay
         resident += adapter_bytes(find_adapter(adapters, "feature"), config.hidden_size, itemsize)[1]
         extra += 1
-    if method == "eagle":
-        needs.max_tree_tokens = (total_tokens or 16) + 1
     if method in ("layer-skip", "dytc"):  # they draft through every layer: all of them must stay resident
         layers.append(config.num_hidden_layers)
     if method in ("early-exit", "tree", "cats-no-shallow", "cats") and not layers:
@@ -231,8 +229,10 @@ def memory_needs(config, dtype: torch.dtype, method: str = "ar", adapters: str |
     needs.min_resident_layers = min(max(layers, default=0), config.num_hidden_layers)
     needs.adapter_bytes, needs.extra_cache_layers = resident, extra
     kind = "chain" if method == "early-exit" else "cascade" if method == "cats" else "tree"
-    if method == "eagle":
-        pass  # set above: its tree size is fixed (--total-tokens), not left to the budget
+    if method == "eagle":  # its tree size is fixed (--total-tokens), not left to the budget
+        from cats.draft.feature import TOTAL_TOKENS
+
+        needs.max_tree_tokens = (total_tokens or TOTAL_TOKENS) + 1
     elif method == "pld":
         needs.max_tree_tokens = (num_draft_tokens or 10) + 1
     elif method == "early-exit" and num_draft_tokens is not None:

@@ -449,10 +449,10 @@ def make_features(model, path: str | Path, progress: bool = True) -> int:
     from safetensors.torch import save_file
 
     data = TrainingData.open(path, model=model)
-    wanted = str(data.meta["dtype"])
-    if str(model.dtype).removeprefix("torch.") != wanted:
+    wanted, have = str(data.meta["dtype"]), str(model.dtype).removeprefix("torch.")
+    if have != wanted:
         raise InvalidArgumentError(f"{data.path} was made in {wanted}; load the model with --dtype {wanted} to "
-                                   f"compute its features (it is {str(model.dtype).removeprefix('torch.')})")
+                                   f"compute its features (it is {have})")
     todo = [i for i, shard in enumerate(data.shards) if not (data.path / features_name(shard["file"])).is_file()]
     bar = None
     if progress and todo:
@@ -461,10 +461,8 @@ def make_features(model, path: str | Path, progress: bool = True) -> int:
         bar = tqdm(total=sum(data.shards[i]["tokens"] for i in todo), unit="tok", desc="cats train features",
                    dynamic_ncols=True)
     for index in todo:
-        first = data._first_sample[index]
         rows = []
-        for i in range(first, first + data.shards[index]["samples"]):
-            ids = data.sample(i, layers=[])["input_ids"]
+        for ids in data.shard_input_ids(index):
             hidden = model.forward_layers(model.embed(ids), 0, model.num_layers, model.new_cache())
             rows.append(model.decoder.norm(hidden)[0].to(torch.bfloat16).cpu())
             if bar is not None:
@@ -581,6 +579,12 @@ class TrainingData:
             while len(self._features) > self.MAX_OPEN_SHARDS:
                 self._features.popitem(last=False)
         return self._features[index]
+
+    def shard_input_ids(self, index: int) -> list[torch.Tensor]:
+        """The token ids ``[T]`` of every sample of shard ``index``, in order (one read of its ``input_ids``)."""
+        handle, starts = self._shard(index)[:2]
+        ids = handle.get_tensor("input_ids").long()
+        return [ids[a:b] for a, b in zip(starts, starts[1:])]
 
     def sample_length(self, i: int) -> int:
         """Tokens of sample ``i`` (prompt + response), without reading its tensors."""
