@@ -36,24 +36,29 @@ DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 @torch.inference_mode()
 def step_cost(model, adapter, repeats: int = 60) -> tuple[float, float]:
     """Median seconds of one draft step (one token through [0, L) + adapter + head; a feature adapter: its fc,
-    block and head on one [feature, token] input) and of one full forward."""
-    layer = adapter.config.layer
+    block and head on one [feature, token] input; an early-exit feature adapter: [0, L) and then that) and of one
+    full forward."""
+    layer, kind = adapter.config.layer, adapter.config.input
     cache = model.new_cache(extra_layers=1)
     adapter.cache_layer = model.num_layers
     prompt = torch.randint(100, 10000, (64,))
-    features = adapter.fc is not None
-    hidden = model.forward_layers(model.embed(prompt), 0, model.num_layers if features else layer, cache)
-    if features:  # the adapter's cache holds the prompt's entries, as after a catch-up
-        normed = model.decoder.norm(hidden)[0]
-        adapter(adapter.feature_inputs(normed, prompt)[None], cache)
-    else:
+    if kind == "hidden":
+        hidden = model.forward_layers(model.embed(prompt), 0, layer, cache)
         adapter(hidden, cache)
         model.forward_layers(hidden, layer, model.num_layers, cache)
+    else:  # the adapter's cache holds the prompt's entries, as after a catch-up
+        states = model.forward_layers(model.embed(prompt), 0, layer, cache) if kind == "features+hidden" else None
+        final = model.forward_layers(states if states is not None else model.embed(prompt),
+                                     layer if states is not None else 0, model.num_layers, cache)
+        normed = model.decoder.norm(final)[0]
+        adapter(adapter.feature_inputs(normed, states[0] if states is not None else prompt)[None], cache)
 
     def draft_once(token):
-        if features:
+        if kind == "features":
             return adapter.logits(adapter(adapter.feature_inputs(normed[-1:], token)[None], cache)[0]).argmax()
         h = model.forward_layers(model.embed(token), 0, layer, cache)
+        if kind == "features+hidden":
+            return adapter.logits(adapter(adapter.feature_inputs(normed[-1:], h[0])[None], cache)[0]).argmax()
         return adapter.logits(adapter(h, cache)[0]).argmax()
 
     def full_once(token):

@@ -1,6 +1,6 @@
 """The draft adapters' step cost relative to a full forward (issue 9's target: <= 0.10 with the reduced draft
-vocabulary): the early-exit draft adapter (draft/) and the feature draft adapter (feature/, method eagle), with and
-without prepacked bf16 weights (``--pack-weights``), in one process:
+vocabulary): the early-exit draft adapter (draft/), the early-exit feature adapter (early-exit/: it also reads the
+final features), and the feature draft adapter (feature/, method eagle), with and without prepacked bf16 weights (``--pack-weights``), in one process:
 
     python benchmarks/draft_step.py [--adapters adapters/smollm2-135m-instruct] [--dtype bfloat16 float32]
 
@@ -39,7 +39,7 @@ def main() -> int:
     for dtype in args.dtype:
         model = load_model(args.model or default_model(), dtype=dtype)
         adapters = [(role, load_adapter(Path(args.adapters) / role, model).eval())
-                    for role in ("draft", "feature") if (Path(args.adapters) / role / "config.json").is_file()]
+                    for role in ("draft", "early-exit", "feature") if (Path(args.adapters) / role / "config.json").is_file()]
         states = [("plain", None)]
         if lean.pack_available(model.dtype) is None:
             states.append(("packed", lean.pack_linears))

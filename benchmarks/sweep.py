@@ -9,8 +9,9 @@ Example (the sweep behind the defaults in docs/benchmarks.md):
         --grid cats:tree_topk=4,total_tokens=16,depth=5 --out sweep.json
 
 Each ``--grid METHOD:key=value,...`` is one setting; keys are `cats.generate.generate` keywords
-(num_draft_tokens, threshold, tree_topk, total_tokens, depth, sv_threshold, sv_passes). A key with several values
-separated by ``|`` expands into one setting per value (``depth=4|6``).
+(num_draft_tokens, threshold, tree_topk, total_tokens, depth, sv_threshold, sv_passes), or ``adapters=DIR`` (this
+setting's adapters folder instead of ``--adapters``). A key with several values separated by ``|`` expands into one
+setting per value (``depth=4|6``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def parse_grid(text: str) -> list[tuple[str, dict]]:
     for item in filter(None, rest.split(",")):
         key, _, values = item.partition("=")
         keys.append(key)
-        choices.append([int(v) if key in INTEGER_KEYS else float(v) for v in values.split("|")])
+        choices.append([v if key == "adapters" else int(v) if key in INTEGER_KEYS else float(v)
+                        for v in values.split("|")])
     return [(method, dict(zip(keys, combo))) for combo in itertools.product(*choices)] if keys else [(method, {})]
 
 
@@ -50,8 +52,10 @@ def label(method: str, settings: dict) -> str:
 
 def build(model, method: str, settings: dict, adapters: str | None) -> Generator:
     settings = dict(settings)
+    adapters = settings.pop("adapters", adapters)  # a setting may name its own adapters folder
     sv = {key: settings.pop(key) for key in ("sv_threshold", "sv_passes") if key in settings}
-    drafter = make_drafter(method, model, adapters=adapters if method not in ("ar", "pld") else None, **settings)
+    drafter = make_drafter(method, model, adapters=adapters if method not in ("ar", "pld", "recycle") else None,
+                           **settings)
     scorer = make_scorer(method, model, drafter, adapters, **sv)
     return Generator(model, drafter, method=method, scorer=scorer)
 

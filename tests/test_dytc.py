@@ -182,8 +182,10 @@ def test_prompt_lookup_drafts_every_found_token_and_is_judged_by_its_yield():
 
 
 def dytc_for(model, adapter=None):
-    """A DyTC over hand-picked skip sets (no calibration), a nested cascade and optionally a draft adapter."""
+    """A DyTC over hand-picked skip sets (no calibration), a nested cascade, token recycling and optionally a draft
+    adapter."""
     from cats.draft import EarlyExitDrafter, TreeDrafter
+    from cats.draft.recycle import TokenRecyclingDrafter
 
     bottom = PromptLookupDrafter(num_tokens=6)
     dense = LayerSkipDrafter(model, SkipSet(attention=(2,), mlp=(1,)), num_tokens=6, assist=bottom)
@@ -191,6 +193,9 @@ def dytc_for(model, adapter=None):
     nested = LayerSkipDrafter(model, SkipSet(attention=(2,), mlp=(1,)), num_tokens=6, assist=sparse)
     options = [DraftOption(d.label, d, 6, 0.7, c) for d, c in ((dense, 0.7), (sparse, 0.4))]
     options.append(DraftOption("nested", nested, 6, 0.8, 0.3))
+    # token recycling's trees: with an adapter, the scheduler runs them through the adapter's layers (tree masks)
+    options.append(DraftOption("recycle", TokenRecyclingDrafter(model.vocab_size, total_tokens=6, depth=3), 6, 0.5,
+                               0.01, tree=True, hindsight=True))
     if adapter is not None:
         options.append(DraftOption("draft-adapter", EarlyExitDrafter(model, adapter=adapter, num_tokens=6), 6, 0.8, 0.4))
         tree = TreeDrafter(model, adapter=adapter, tree_topk=2, total_tokens=6, depth=3)
@@ -251,7 +256,7 @@ def test_dytc_method_calibrates_once_and_reports(tmp_path, monkeypatch):
     monkeypatch.setenv("CATS_CACHE", str(tmp_path))
     model = tiny_model("llama", damp=0.1)
     drafter = make_drafter("dytc", model, num_draft_tokens=5)
-    assert list(drafter.options) == ["ls0.4<pld", "ls0.6<pld", "ls0.4<ls0.6<pld"]
+    assert list(drafter.options) == ["recycle", "ls0.4<pld", "ls0.6<pld", "ls0.4<ls0.6<pld"]
     assert (tmp_path / "skip-sets").is_dir()
     layer_skip = make_drafter("layer-skip", model, sparsity=0.6)
     assert layer_skip.skip == drafter.options["ls0.6<pld"].drafter.skip and layer_skip.agreement is not None
@@ -290,3 +295,24 @@ def test_scheduler_counters_are_summed_in_bench_summaries():
     assert total["choices"] == {"none": 4, "pld": 4} and total["choice_share"] == {"none": 0.5, "pld": 0.5}
     assert total["acceptance"] == {"pld": round(5 / 16, 4)} and total["estimates"]["pld_acceptance"] == {"2": 0.3}
     assert scheduler_totals([{"choices": [{}]}]) is None
+
+
+def test_unchosen_recycling_drafts_are_scored_in_hindsight():
+    """A draft of a hindsight option that was not verified counts the tokens it would have had accepted: its longest
+    root path equal to the tokens committed after it, once they cover its depth."""
+    from cats.draft.base import DecodeState
+    from cats.draft.recycle import TokenRecyclingDrafter
+
+    model = tiny_model("llama")
+    option = DraftOption("recycle", TokenRecyclingDrafter(model.vocab_size), 6, 0.5, 0.01, tree=True, hindsight=True)
+    drafter = DyTCDrafter([option], lookup=None)
+    drafter._hindsight.extend([("recycle", 0, 3, [5, 6, 7], [-1, -1, 0], 2),  # 5 -> 7 matches both tokens after x
+                               ("recycle", 0, 3, [6], [-1], 1),  # 6 is not the token committed after x
+                               ("recycle", 2, 3, [5], [-1], 1),  # drafted after a 2-gram lookup match
+                               ("recycle", 0, 5, [9, 9], [-1, 0], 2)])  # needs two tokens after position 5: one so far
+    state = DecodeState(model, model.new_cache(), [1, 2, 3, 5, 7, 9], 3)
+    drafter._score_hindsight(state)
+    assert [value for _, value, _ in drafter.tree_yield["recycle|0"].history] == [2.0, 0.0]
+    assert [value for _, value, _ in drafter.tree_yield["recycle|2"].history] == [1.0]  # yields per lookup match
+    assert list(drafter._hindsight) == [("recycle", 0, 5, [9, 9], [-1, 0], 2)]
+    assert drafter.counters()["hindsight_scored"] == {"recycle": 3}

@@ -153,3 +153,34 @@ def test_feature_adapter_trains_on_final_features_and_drafts_losslessly(model, d
     result = Generator(model, FeatureDrafter(model, adapter)).generate(prompt, GenerationConfig(max_new_tokens=40))
     assert result.token_ids == expected
     assert result.stats.accepted_draft_tokens > 0
+
+
+def test_early_exit_feature_adapter_trains_on_layer_states_and_features(model, data, tmp_path):
+    """``--input features+hidden``: the next token's layer-L state in place of its embedding; the result drafts
+    losslessly through early exit and accepts drafts."""
+    import shutil
+
+    from cats.train.data import make_features
+
+    folder = shutil.copytree(data.path, tmp_path / "data")
+    make_features(model, folder, progress=False)
+    fresh = TrainingData.open(folder, model=model)
+    config = TrainConfig(role="draft", layer=2, input="features+hidden", out=tmp_path / "early-exit", epochs=30,
+                         lr=3e-3, batch_tokens=256, warmup_steps=5, position_fraction=1.0, draft_vocab=200,
+                         progress=False, checkpoint_every=0)
+    with pytest.raises(InvalidArgumentError, match="not of layer 3"):
+        train_adapter(model, fresh, TrainConfig(role="draft", layer=3, input="features+hidden", out=tmp_path / "x"))
+    with pytest.raises(InvalidArgumentError, match="--role draft"):
+        train_adapter(model, fresh, TrainConfig(role="shallow", layer=2, input="features+hidden", out=tmp_path / "x"))
+    before = evaluate(new_adapter(model, "draft", 2, input="features+hidden"), fresh, 2, None, "cpu")
+    out = train_adapter(model, fresh, config, eval_data=fresh)
+    adapter = load_adapter(out, model, role="draft", layer=2)
+    after = adapter.config.training["final_eval"]
+    assert adapter.config.input == "features+hidden" and after["agreement"] > before["agreement"] + 0.1, (before, after)
+    assert "state after layer 2" in (out / "README.md").read_text()
+    prompt = model.tokenizer("Once upon a time")["input_ids"]
+    expected = Generator(model).generate(prompt, GenerationConfig(max_new_tokens=40)).token_ids
+    result = Generator(model, EarlyExitDrafter(model, adapter=adapter, num_tokens=3)).generate(
+        prompt, GenerationConfig(max_new_tokens=40))
+    assert result.token_ids == expected
+    assert result.stats.accepted_draft_tokens > 0

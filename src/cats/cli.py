@@ -52,10 +52,10 @@ def add_pack_argument(parser: argparse.ArgumentParser) -> None:
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-topk", type=integer, default=None, help="tree/cats/eagle: children per expanded node and "
                         "nodes expanded per depth (1 = a chain; default 4, or chosen from the budget)")
-    parser.add_argument("--total-tokens", type=integer, default=None, help="tree/cats/eagle: nodes kept for verification "
-                        "(default 16, or chosen from the budget)")
-    parser.add_argument("--depth", type=integer, default=None, help="tree/cats/eagle: maximum depth (default 5, or chosen "
-                        "from the budget)")
+    parser.add_argument("--total-tokens", type=integer, default=None, help="tree/cats/eagle/recycle: nodes kept for "
+                        "verification (default 16, or chosen from the budget)")
+    parser.add_argument("--depth", type=integer, default=None, help="tree/cats/eagle/recycle: maximum depth (default 5, "
+                        "recycle 6, or chosen from the budget)")
     parser.add_argument("--sv-threshold", type=float, default=0.2,
                         help="cats: the shallow verifier prunes nodes it gives a probability below this")
     parser.add_argument("--sv-passes", type=integer, default=1,
@@ -94,9 +94,10 @@ def add_method_arguments(parser: argparse.ArgumentParser, default: str = "ar") -
     parser.add_argument("--method", default=default, help=f"ar (plain decoding), pld (prompt lookup), early-exit "
                         "(chain), tree (dynamic draft tree from the early exit), cats (draft adapter + tree + "
                         "shallow-verifier cascade; needs --adapters), cats-no-shallow, layer-skip (calibrated "
-                        "sublayers skipped), dytc (scheduler over prompt lookup, layer skipping and, with --adapters, "
-                        "the draft adapter), eagle (trees from the feature draft adapter in --adapters, which reads "
-                        f"the target's final features; chain: --tree-topk 1) (default: {default})")
+                        "sublayers skipped), dytc (scheduler over prompt lookup, token recycling, layer skipping and, with "
+                        "--adapters, the draft adapter), eagle (trees from the feature draft adapter in --adapters, "
+                        "which reads the target's final features; chain: --tree-topk 1), recycle (token recycling: "
+                        f"training-free trees from the target's own recent candidates) (default: {default})")
     parser.add_argument("--no-shallow", action="store_true", help="with --method cats: no shallow-verifier cascade")
     parser.add_argument("--draft-layer", type=integer, default=None, help="early-exit layer L_d (default: depth/8)")
     parser.add_argument("--num-draft-tokens", "-k", type=integer, default=None,

@@ -124,7 +124,10 @@ class Generator:
         cache = model.new_cache(extra_layers=extra_layers, capacity=capacity)
         state = DecodeState(model, cache, list(prompt_ids), len(prompt_ids),
                             sampler=sampler if acceptance.draws_drafts else None)
-        first = sampler.next_token(self._prefill(state), position=len(prompt_ids))
+        prefill_logits = self._prefill(state)
+        if self.drafter is not None and self.drafter.wants_target_logits:
+            self.drafter.take_target_logits(torch.tensor(prompt_ids[-1:]), prefill_logits[None])
+        first = sampler.next_token(prefill_logits, position=len(prompt_ids))
         state.token_ids.append(first)
         stats.target_forwards, stats.prefill_s = 1, time.perf_counter() - start
         chunk, reason = self._commit([first], stats, eos, config, stop_check)
@@ -142,6 +145,9 @@ class Generator:
             tock = time.perf_counter()
             # 3. verify [x, d_1..d_k] with the full target in one forward (the cascade may prune and extend it first)
             verified, target_logits = self.scorer.score(state, proposal, max_tokens=budget)
+            if self.drafter is not None and self.drafter.wants_target_logits:  # every verified row, accepted or not
+                self.drafter.take_target_logits(torch.cat([torch.tensor(state.token_ids[-1:]), verified.tokens]),
+                                                target_logits)
             # 4. accept (the token after x is at sequence position len(token_ids))
             sampler.position = len(state.token_ids)
             verdict = acceptance.accept(verified, target_logits, sampler)

@@ -166,14 +166,15 @@ class CatsMethod(BenchMethod):
     def __init__(self, name: str, context: BenchContext):
         settings = context.settings
         self.name = name
-        self.drafter = make_drafter(name, context.model, num_draft_tokens=settings.num_draft_tokens,
-                                    draft_layer=settings.draft_layer, max_ngram=settings.max_ngram,
-                                    **({"adapters": settings.adapters} if name not in ("ar", "pld", "layer-skip")
+        chains = {} if name == "recycle" else dict(  # recycle's trees come from its table: only their size applies
+            num_draft_tokens=settings.num_draft_tokens, draft_layer=settings.draft_layer, tree_topk=settings.tree_topk)
+        self.drafter = make_drafter(name, context.model, max_ngram=settings.max_ngram, **chains,
+                                    **({"adapters": settings.adapters} if name not in ("ar", "pld", "layer-skip",
+                                                                                        "recycle") else {}),
+                                    **({"threshold": settings.threshold} if name not in ("ar", "pld", "dytc", "recycle")
                                        else {}),
-                                    **({"threshold": settings.threshold} if name not in ("ar", "pld", "dytc") else {}),
                                     **({"sparsity": settings.sparsity} if name in ("layer-skip", "dytc") else {}),
-                                    tree_topk=settings.tree_topk, total_tokens=settings.total_tokens,
-                                    depth=settings.depth)
+                                    total_tokens=settings.total_tokens, depth=settings.depth)
         self.scorer = make_scorer(name, context.model, self.drafter, settings.adapters, settings.sv_threshold,
                                   settings.sv_passes if name == "cats" else 1)
         self.generator = Generator(context.model, self.drafter, method=name, scorer=self.scorer)

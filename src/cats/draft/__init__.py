@@ -13,21 +13,28 @@ from cats.errors import InvalidArgumentError, UnknownMethodError
 from cats.memory.speculation import speculation_for
 from cats.model import LayeredModel
 
-METHODS = ("ar", "pld", "early-exit", "tree", "cats", "cats-no-shallow", "layer-skip", "dytc", "eagle")
+METHODS = ("ar", "pld", "early-exit", "tree", "cats", "cats-no-shallow", "layer-skip", "dytc", "eagle", "recycle")
 # cats = draft adapter + dynamic tree + shallow-verifier cascade; cats-no-shallow ablates the cascade;
 # layer-skip = the target with calibrated sublayers skipped; dytc = a scheduler over prompt lookup, layer-skip
 # drafters in a vertical cascade and (with --adapters) the draft adapter; eagle = trees from the feature draft
-# adapter (EAGLE-style: reads the target's final features, runs no target layer while drafting)
+# adapter (EAGLE-style: reads the target's final features, runs no target layer while drafting); recycle = token
+# recycling (training-free trees from a table of the target's own recent candidates, no model call)
 LAYER_SKIP_SPARSITY = 0.4
 DYTC_SPARSITIES = (0.4, 0.6)
 
 
-def _draft_adapter(adapters: str | None, model: LayeredModel):
+def _draft_adapter(adapters: str | None, model: LayeredModel, early_exit: bool = False):
+    """The draft adapter of an adapters folder (``DIR/draft/``, or DIR itself); for early exit its own
+    ``DIR/early-exit/`` (an early-exit feature adapter, input ``features+hidden``) when there is one."""
     if adapters is None:
         return None
+    from pathlib import Path
+
     from cats.draft.adapter import find_adapter, load_adapter
 
-    return load_adapter(find_adapter(adapters, "draft"), model, role="draft")
+    own = Path(adapters) / "early-exit"
+    folder = own if early_exit and (own / "config.json").is_file() else find_adapter(adapters, "draft")
+    return load_adapter(folder, model, role="draft")
 
 
 def _feature_adapter(adapters: str | None, model: LayeredModel):
@@ -79,7 +86,8 @@ def make_drafter(
     """The drafter for a method name; ``None`` for plain autoregressive decoding (``ar``).
 
     ``adapters``: a folder with trained adapters (``DIR/draft/`` or an adapter folder itself); early exit and
-    trees then draft through the draft adapter at its own layer. ``threshold``: their confidence stop.
+    trees then draft through the draft adapter at its own layer (early exit through ``DIR/early-exit/``, an
+    adapter that also reads the target's final features, when there is one). ``threshold``: their confidence stop.
     ``tree_topk``, ``total_tokens``, ``depth``: the shape of dynamic draft trees (method ``tree``).
     ``sparsity``: layer-skip's fraction of skipped sublayers (default 0.4), or dytc's list of them (default 0.4,
     0.6); skip sets come from the calibration cache, calibrated on first use (`cats.draft.calibrate`).
@@ -122,13 +130,21 @@ def make_drafter(
     if method in ("cats", "cats-no-shallow") and adapters is None:
         raise InvalidArgumentError(f"method {method!r} needs --adapters DIR holding trained draft/ and shallow/ adapters "
                                    "(cats train adapter); without adapters use tree or early-exit")
-    if method in ("ar", "pld") and (adapters is not None or threshold):
+    if method in ("ar", "pld", "recycle") and (adapters is not None or threshold):
         raise InvalidArgumentError(f"--adapters and --threshold apply to early-exit and tree drafting, not to {method!r}")
+    if method == "recycle":
+        from cats.draft.recycle import DEPTH, TOTAL_TOKENS, TokenRecyclingDrafter
+
+        if num_draft_tokens is not None or draft_layer is not None or tree_topk is not None:
+            raise InvalidArgumentError("recycle drafts trees from a table (8 candidates per token): its shape is "
+                                       "--total-tokens and --depth; --num-draft-tokens, --draft-layer and --tree-topk "
+                                       "do not apply")
+        return TokenRecyclingDrafter(model.vocab_size, total_tokens=total_tokens or TOTAL_TOKENS, depth=depth or DEPTH)
     if method == "ar":
         return None
     if method == "pld":
         return PromptLookupDrafter(num_tokens=num_draft_tokens or 10, max_ngram=max_ngram)
-    adapter = _draft_adapter(adapters, model)
+    adapter = _draft_adapter(adapters, model, early_exit=method == "early-exit")
     layer = adapter.config.layer if adapter is not None else draft_layer
     _check_resident(model, default_draft_layer(model) if layer is None else layer)
     chosen = None  # (bucket, why) when the budget chose the draft size

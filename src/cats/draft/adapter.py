@@ -7,6 +7,10 @@ t its input is ``fc([f_t, e(x_{t+1})])``, the target's final normed state f_t (w
 embedding of the token that follows, and its output (normed) is its estimate of f_{t+1}, read out through the
 lm_head. Its ``layer`` is the number of target layers (it runs after all of them); see `cats.draft.feature`.
 
+An *early-exit feature* adapter (``input="features+hidden"``) reads ``fc([f_t, h_L(x_{t+1})])``: the next token's
+state after the target's first L layers instead of its embedding (the token seen in context), for early exit at
+layer L with the target's final features of the committed tokens; see `cats.draft.early_exit`.
+
 On disk an adapter is an HF-style folder: ``config.json`` (see `AdapterConfig`) + ``model.safetensors`` (the
 block and norm weights only). It records the identity of the base model it was trained on; loading it onto
 another model or asking it for another layer is an error naming both.
@@ -30,7 +34,8 @@ FORMAT = "cats-adapter/1"
 ROLES = ("draft", "shallow")
 BLOCKS = ("decoder", "attention")
 INITS = ("next", "copy", "random")
-INPUTS = ("hidden", "features")  # the state after layer L; or the target's final features + next-token embedding
+INPUTS = ("hidden", "features", "features+hidden")  # the state after layer L; the target's final features + the
+# next token's embedding; the final features + the next token's state after layer L
 
 
 class AdapterError(CatsError):
@@ -47,7 +52,8 @@ class AdapterConfig:
     init: str = "next"  # how the block was initialised: next = target layer `layer`, copy = last layer, random
     vocab_subset: list[int] | None = None  # token ids of a reduced draft vocabulary (most frequent first); None = all
     training: dict = field(default_factory=dict)  # data, settings, metrics, learning curve
-    input: str = "hidden"  # "hidden" (state after `layer`) or "features" (EAGLE-style: final features + next token)
+    input: str = "hidden"  # "hidden" (state after `layer`), "features" (EAGLE-style: final features + next token's
+    # embedding) or "features+hidden" (final features + next token's state after `layer`)
     format: str = FORMAT
 
     def validate(self) -> None:
@@ -59,8 +65,13 @@ class AdapterConfig:
             raise AdapterError(f"adapter block must be one of {', '.join(BLOCKS)}, got {self.block!r}")
         if self.input not in INPUTS:
             raise AdapterError(f"adapter input must be one of {', '.join(INPUTS)}, got {self.input!r}")
-        if self.input == "features" and self.role != "draft":
-            raise AdapterError("a feature adapter (input 'features') drafts: its role must be 'draft'")
+        if self.input != "hidden" and self.role != "draft":
+            raise AdapterError(f"a feature adapter (input {self.input!r}) drafts: its role must be 'draft'")
+
+    @property
+    def reads_features(self) -> bool:
+        """Whether the adapter reads the target's final features (``fc`` input), not only a layer's state."""
+        return self.input != "hidden"
 
 
 class _NoMLP(nn.Module):
@@ -80,11 +91,11 @@ class Adapter(nn.Module):
     def __init__(self, config: AdapterConfig, model: LayeredModel, cache_layer: int | None = None):
         super().__init__()
         config.validate()
-        features = config.input == "features"
-        if features and config.layer != model.num_layers:
+        features = config.reads_features
+        if config.input == "features" and config.layer != model.num_layers:
             raise AdapterError(f"a feature adapter reads the features after all {model.num_layers} layers of "
                                f"{model.name!r}, but its config says layer {config.layer}")
-        if not features and not 1 <= config.layer < model.num_layers:
+        if config.input != "features" and not 1 <= config.layer < model.num_layers:
             raise AdapterError(f"adapter layer {config.layer} is outside [1, {model.num_layers}) for {model.name!r}")
         self.config = config
         self.__dict__["target"] = model  # not a submodule
@@ -100,11 +111,10 @@ class Adapter(nn.Module):
         self.norm = copy.deepcopy(model.decoder.norm)
         # attention kind (and rotary) of the layer it replaces (a feature adapter: of the last layer)
         self.kind = model.layer_types[last if features else config.layer]
-        self.fc = None  # feature adapters: [f_t, e(x_{t+1})] (2H) -> H, see _init_fc
+        self.fc = None  # feature adapters: [f_t, e(x_{t+1}) or h_L(x_{t+1})] (2H) -> H, see _init_fc
         if features:
             size = model.config.hidden_size
-            self.fc = nn.Linear(2 * size, size, bias=True, dtype=self.norm.weight.dtype)
-            self._init_fc(model)
+            self.fc = nn.Linear(2 * size, size, bias=True, dtype=self.norm.weight.dtype)  # new_adapter initialises it
         self.block.requires_grad_(True)
         self.norm.requires_grad_(True)
         subset = config.vocab_subset
@@ -114,14 +124,18 @@ class Adapter(nn.Module):
 
     @torch.no_grad()
     def _init_fc(self, model: LayeredModel) -> None:
-        """``fc`` starts as ``f_t + s * e(x_{t+1})``, s = rms(normed state) / rms(embeddings): the final norm's
-        output scale and the embeddings' often differ a lot (SmolLM2: 1.9 vs 0.14), and an unscaled sum would start
-        with the token nearly drowned out."""
+        """``fc`` starts as ``f_t + s * e(x_{t+1})`` (or ``s * h_L(x_{t+1})``), s = rms(normed state) / rms(token
+        input): the final norm's output scale and the embeddings' often differ a lot (SmolLM2: 1.9 vs 0.14), and an
+        unscaled sum would start with the token nearly drowned out."""
         size = model.config.hidden_size
         probe = torch.randn(64, size, generator=torch.Generator().manual_seed(0)).to(model.decoder.norm.weight)
         normed = model.decoder.norm(probe).float().pow(2).mean().sqrt()
-        embeddings = model.embed(torch.arange(min(model.vocab_size, 4096)))[0].float().pow(2).mean().sqrt()
-        scale = float(normed / embeddings.clamp(min=1e-12))
+        tokens = torch.arange(min(model.vocab_size, 4096 if self.config.input == "features" else 64))
+        token_inputs = model.embed(tokens)
+        if self.config.input == "features+hidden":  # the probe tokens' states after layer L (a throwaway cache)
+            token_inputs = model.forward_layers(token_inputs, 0, self.config.layer, model.new_cache())
+        token_rms = token_inputs[0].float().pow(2).mean().sqrt()
+        scale = float(normed / token_rms.clamp(min=1e-12))
         eye = torch.eye(size, dtype=self.fc.weight.dtype)
         self.fc.weight.copy_(torch.cat([eye, scale * eye], dim=1))
         self.fc.bias.zero_()
@@ -169,10 +183,17 @@ class Adapter(nn.Module):
             cache.record(self.cache_layer, self.cache_layer + 1, position_ids.cpu())
         return self.norm(out)
 
-    def feature_inputs(self, features: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+    def feature_inputs(self, features: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
         """A feature adapter's input ``[..., T, 2H]`` from the target's final normed features ``[..., T, H]`` at
-        positions t and the ids ``[..., T]`` of the tokens x_{t+1} that follow them."""
-        embedded = self.target.hf_model.get_input_embeddings()(next_ids.to(features.device))
+        positions t and the tokens x_{t+1} that follow them: their ids ``[..., T]`` (input "features", embedded
+        here) or their states after layer L ``[..., T, H]`` (input "features+hidden")."""
+        if next_tokens.is_floating_point():
+            if self.config.input != "features+hidden":
+                raise ValueError(f"a {self.config.input!r} adapter reads token ids, not states")
+            return torch.cat([features, next_tokens.to(features.dtype)], dim=-1)
+        if self.config.input != "features":
+            raise ValueError("a 'features+hidden' adapter reads the next tokens' states after its layer, not ids")
+        embedded = self.target.hf_model.get_input_embeddings()(next_tokens.to(features.device))
         return torch.cat([features, embedded.to(features.dtype)], dim=-1)
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
@@ -222,7 +243,10 @@ def new_adapter(model: LayeredModel, role: str, layer: int, block: str = "decode
         raise AdapterError(f"adapter init must be one of {', '.join(INITS)}, got {init!r}")
     config = AdapterConfig(role=role, layer=layer, architecture=model.config.model_type, base_model=model_identity(model),
                            block=block, init=init, vocab_subset=vocab_subset, input=input)
-    return Adapter(config, model, cache_layer).to(model.dtype)
+    adapter = Adapter(config, model, cache_layer)
+    if adapter.fc is not None:
+        adapter._init_fc(model)
+    return adapter.to(model.dtype)
 
 
 def load_adapter(folder: str | Path, model: LayeredModel, role: str | None = None, layer: int | None = None,

@@ -107,6 +107,7 @@ class Drafter(ABC):
     prefill_layers: tuple[int, ...] = ()  # layers whose prompt hidden states `prefill` needs
     speculation: dict | None = None  # under a memory budget: the draft size bucket chosen for it, and why
     wants_features = False  # True: the loop hands it the target's final states of every committed token
+    wants_target_logits = False  # True: the loop hands it the target's logits of every verified token
 
     def prefill(self, state: DecodeState, hidden: dict[int, torch.Tensor]) -> None:
         """Called once after the prompt ran, with its states after each of ``prefill_layers`` (``[1, P, H]``)."""
@@ -118,6 +119,10 @@ class Drafter(ABC):
     def take_features(self, final_states: torch.Tensor) -> None:
         """(``wants_features`` drafters) The target's last-layer states ``[n, H]`` (before its final norm) of the
         next n committed tokens: after each step, x and the accepted drafts, in order."""
+
+    def take_target_logits(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """(``wants_target_logits`` drafters) The target's logits ``[n, V]`` after each of ``tokens`` (``[n]``): the
+        last prompt token after the prefill, then x and every verified node (accepted or not) after each step."""
 
     def observe(self, proposal: Proposal, num_accepted: int) -> None:
         """Told after each step how many drafted tokens the target accepted (for adaptive drafters)."""

@@ -10,6 +10,9 @@ Options each step (all from the target itself, or a trained draft adapter):
   is tracked per matched n-gram length, not a per-token rate: prompt lookup's acceptance is bursty (a match that
   holds often copies a long span), which a geometric model with the same mean rate badly underestimates
   (measured on Spec-Bench: with the geometric model DyTC drafted shorter than ``pld`` and reached 0.91x of it);
+* token recycling (`cats.draft.recycle`): a near-free tree read off a table of the target's own recent candidates,
+  with prompt lookup's continuation (when it found one) merged in as one more branch; chosen by its measured yield
+  (accepted tokens per step), as trees are;
 * each model drafter (layer-skip drafters, usually in a vertical cascade with prompt lookup under them, see
   `cats.draft.layer_skip`; the early exit through a trained draft adapter), at every length 1..its maximum.
 
@@ -61,7 +64,9 @@ import torch
 
 from cats.draft.base import DecodeState, Drafter, Proposal
 from cats.draft.prompt_lookup import PromptLookupDrafter, lookup_with_ngram
+from cats.draft.recycle import TokenRecyclingDrafter, graft
 from cats.errors import InvalidArgumentError
+from cats.tree import chain_parents, depths, is_chain, verification_inputs
 
 DECAY, WINDOW = 0.7, 20  # CAS-Spec's acceptance moving average
 FORGETTING = 0.98  # latency fits
@@ -72,6 +77,8 @@ PLD_PRIORS = {1: 0.5, 2: 0.6, 3: 0.7}
 PLD_COST = 0.002  # prompt lookup's prior cost per token, as a fraction of a one-token target forward
 VERIFY_SLOPE = 0.1  # prior cost of each further verified token, as a fraction of a one-token forward
 MAX_ALPHA = 0.98
+RECYCLE_TOKENS = 8  # token recycling's tree in DyTC (before prompt lookup's branch): verification is not free
+RECYCLE_PRIOR = 0.5  # its per-token prior along the best path (optimistic, as for prompt lookup: measurement decides)
 NONE, PLD = "none", "pld"
 
 
@@ -207,6 +214,8 @@ class DraftOption:
     prior_acceptance: float = 0.5  # per token (a tree: of its best path, over its depth)
     prior_cost: float = 0.5  # per drafted token, as a fraction of a one-token target forward
     tree: bool = False
+    hindsight: bool = False  # a deterministic, near-free tree drafter (token recycling): drafted every step, and
+    # on steps it is not chosen its draft is scored in hindsight against the tokens the target then commits
 
 
 @dataclass
@@ -216,6 +225,7 @@ class _Decision:
     extension: int = 0  # prompt-lookup tokens attached after the chain
     extension_ngram: int = 0
     ngram: int = 0  # prompt lookup: the n-gram length that matched
+    lookup_ngram: int = 0  # the n-gram length prompt lookup matched this step, whatever was chosen (0: none)
     drafted_at: float = 0.0  # clock when drafting ended (verification starts)
 
 
@@ -257,6 +267,7 @@ class DyTCDrafter(Drafter):
         # every committed token whichever option drafted, and catches up on them when one of its options is chosen
         self.features = features
         self.wants_features = features is not None
+        self.wants_target_logits = any(option.drafter.wants_target_logits for option in options)
         self.options = {option.key: option for option in options}
         self.lookup, self.lookahead_tokens = lookup, lookahead_tokens if lookup is not None else 0
         self.decay, self.window, self.clock = decay, window, clock
@@ -267,9 +278,7 @@ class DyTCDrafter(Drafter):
         # drafters whose prefill runs once: one per adapter, and any other drafter that asks for prompt states
         self._prefilled = ([self.synced] if self.synced else []) + ([features] if features else []) + [
             o.drafter for o in options if o.drafter.prefill_layers and not o.drafter.cache_layers]
-        self.tree_yield = {  # trees: mean accepted tokens per step, prior from the per-token prior over the depth
-            key: WindowedAverage(expected_accepted(o.prior_acceptance, getattr(o.drafter, "depth", o.max_tokens)),
-                                 decay, window) for key, o in self.options.items() if o.tree}
+        self.tree_yield: dict[str, WindowedAverage] = {}  # trees: mean accepted tokens per step (`_tree_yield`)
         self.acceptance = {key: AcceptanceEstimate(o.prior_acceptance, decay, window)
                            for key, o in self.options.items() if not o.tree}
         self.pld_acceptance: dict[int, AcceptanceEstimate] = {}  # per-token rate (reports, the look-ahead)
@@ -280,6 +289,9 @@ class DyTCDrafter(Drafter):
         # token than the line through multi-token forwards predicts (matrix-vector vs matrix-matrix kernels)
         self.draft_latency = {key: LatencyModel(0.05, forgetting) for key in list(self.options) + [PLD]}
         self.step = 0
+        self._hindsight: deque[tuple[str, int, int, list[int], list[int], int]] = deque()  # (key, lookup n-gram,
+        # tokens before, draft tokens, parents, depth) of drafts not verified, scored once `depth` more tokens are
+        # committed
         self._state: DecodeState | None = None
         self._decision: _Decision | None = None
         self._reset_counters()
@@ -293,6 +305,18 @@ class DyTCDrafter(Drafter):
         if ngram not in self.pld_acceptance:
             self.pld_acceptance[ngram] = AcceptanceEstimate(self._pld_prior(ngram), self.decay, self.window)
         return self.pld_acceptance[ngram]
+
+    def _tree_yield(self, key: str, ngram: int) -> WindowedAverage:
+        """A tree option's mean accepted tokens per step; a hindsight option's (token recycling, whose tree carries
+        prompt lookup's continuation) per matched n-gram length (0: no match): with a long match its yield is
+        prompt lookup's, without one its own. Prior: the per-token prior over the tree's depth."""
+        name = f"{key}|{ngram}" if self.options[key].hindsight else key
+        if name not in self.tree_yield:
+            option = self.options[key]
+            depth = getattr(option.drafter, "depth", option.max_tokens)
+            self.tree_yield[name] = WindowedAverage(expected_accepted(option.prior_acceptance, depth), self.decay,
+                                                    self.window)
+        return self.tree_yield[name]
 
     def _pld_yield(self, ngram: int) -> WindowedAverage:
         if ngram not in self.pld_yield:
@@ -379,7 +403,7 @@ class DyTCDrafter(Drafter):
                 continue
             if option.tree:
                 k = option.max_tokens  # its node count (the budget only limits its depth)
-                value = self._yield_rate(key, k, self.tree_yield[key].ratio(self.step))
+                value = self._yield_rate(key, k, self._tree_yield(key, ngram).ratio(self.step))
             else:
                 k, value = self._best_length(key, limit, self.acceptance[key].value(self.step), lookahead)
             if value > best:
@@ -396,22 +420,34 @@ class DyTCDrafter(Drafter):
         if state is not self._state:
             self._begin(state)
         self.step += 1
-        start = self.clock()
         tokens = self._token_array(state)
-        found, ngram = np.empty(0, dtype=np.int64), 0
+        found, ngram = np.empty(0, dtype=np.int64), 0  # looked up every step (the choice needs it): not a draft cost
         if self.lookup is not None and max_tokens > 0:
             found, ngram = lookup_with_ngram(tokens, self.lookup.max_ngram, self.lookup.min_ngram,
                                              min(self.lookup.num_tokens, max_tokens))
+        deterministic = replace(state, sampler=None)  # see the module docstring: sampling
+        self._score_hindsight(state)
+        ready = {key: self._draft(key, deterministic, max_tokens, found)  # drafted every step (near-free)
+                 for key, option in self.options.items() if option.hindsight and max_tokens > 0}
+        start = self.clock()
         key, k = self.plan(max_tokens, len(found), ngram)
-        decision = _Decision(key, k, ngram=ngram if key == PLD else 0)
+        decision = _Decision(key, k, ngram=ngram if key == PLD else 0, lookup_ngram=ngram)
         if key == NONE:
             proposal = Proposal.empty()
         elif key == PLD:
             proposal = Proposal(tokens=torch.as_tensor(found[:k], dtype=torch.long))
-        else:
-            deterministic = replace(state, sampler=None)  # see the module docstring: sampling
-            proposal = self.options[key].drafter.propose(deterministic, max_tokens if self.options[key].tree else k)
+        elif key in ready:
+            proposal = ready[key]
             decision.k = proposal.num_tokens
+        else:
+            proposal = self._draft(key, deterministic, max_tokens if self.options[key].tree else k, found)
+            decision.k = proposal.num_tokens
+        for other, draft in ready.items():  # the drafts not verified now are scored once the target has decided
+            if other != key and draft.num_tokens:
+                depth = int(depths(draft.parents).max()) if draft.parents is not None else draft.num_tokens
+                self._hindsight.append((other, ngram, len(state.token_ids), draft.tokens.tolist(),
+                                        (draft.parents if draft.parents is not None
+                                         else chain_parents(draft.num_tokens)).tolist(), depth))
         drafted_at = self.clock()
         if key not in (NONE, PLD):
             self.draft_latency[key].observe(decision.k, drafted_at - start)
@@ -428,8 +464,44 @@ class DyTCDrafter(Drafter):
         self._counts["drafted"][key] += decision.k
         return proposal
 
+    def _draft(self, key: str, state: DecodeState, max_tokens: int, found: np.ndarray) -> Proposal:
+        """Option ``key``'s draft (a chain drafter: of ``max_tokens`` tokens); token recycling's tree gets prompt
+        lookup's continuation (if any) as a branch."""
+        drafter = self.options[key].drafter
+        proposal = drafter.propose(state, max_tokens)
+        if isinstance(drafter, TokenRecyclingDrafter) and len(found):
+            proposal = graft(proposal, found.tolist())
+        return proposal
+
+    def _score_hindsight(self, state: DecodeState) -> None:
+        """Score the unverified drafts of hindsight options whose depth the committed tokens now cover: the tokens
+        a draft would have had accepted are its longest root path equal to the tokens committed after it (exact:
+        greedy output, and sampled output with deterministic drafts, do not depend on what was drafted)."""
+        ids, waiting = state.token_ids, deque()
+        while self._hindsight:
+            entry = self._hindsight.popleft()
+            key, ngram, before, tokens, parents, depth = entry
+            if len(ids) - before < depth:
+                waiting.append(entry)
+                continue
+            children = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens))}
+            accepted, node = 0, -1
+            for token in ids[before : before + depth]:
+                node = children.get((node, token), -2)
+                if node == -2:
+                    break
+                accepted += 1
+            self._tree_yield(key, ngram).observe(self.step, float(accepted))
+            self._counts["hindsight"][key] += 1
+        self._hindsight = waiting
+
     def take_features(self, final_states: torch.Tensor) -> None:
         self.features.take_features(final_states)
+
+    def take_target_logits(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        for option in self.options.values():  # token recycling learns from every verification, whoever drafted
+            if option.drafter.wants_target_logits:
+                option.drafter.take_target_logits(tokens, logits)
 
     def observe(self, proposal: Proposal, num_accepted: int) -> None:
         decision, self._decision = self._decision, None
@@ -442,8 +514,8 @@ class DyTCDrafter(Drafter):
             self.single_latency.observe(verify_s)
         chain = min(num_accepted, decision.k)
         self._counts["accepted"][decision.key] += chain
-        if decision.key in self.tree_yield:
-            self.tree_yield[decision.key].observe(self.step, float(num_accepted))
+        if decision.key in self.options and self.options[decision.key].tree:
+            self._tree_yield(decision.key, decision.lookup_ngram).observe(self.step, float(num_accepted))
         elif decision.key == PLD:
             self._alpha_pld(decision.ngram).observe_step(self.step, chain, decision.k)
             self._pld_yield(decision.ngram).observe(self.step, float(chain))
@@ -491,21 +563,28 @@ class DyTCDrafter(Drafter):
         return extended
 
     @staticmethod
-    def _states(drafter, state: DecodeState, tokens: torch.Tensor, position: int) -> torch.Tensor:
-        """Run ``tokens`` (a chain continuing at ``position``) through an early-exit drafter's layers and its
-        adapter (if any), appending their K/V; their states after its layer ``[1, T, H]``."""
-        model = state.model
-        positions = torch.arange(position, position + len(tokens))
-        hidden = model.forward_layers(model.embed(tokens), 0, drafter.layer, state.cache, position_ids=positions)
+    def _states(drafter, state: DecodeState, tokens: torch.Tensor, position: int,
+                parents: torch.Tensor | None = None) -> torch.Tensor:
+        """Run ``tokens`` (a chain continuing at ``position``; with ``parents``, x and a tree's nodes) through an
+        early-exit drafter's layers and its adapter (if any), appending their K/V; their states after its layer
+        ``[1, T, H]``."""
+        model, attend = state.model, None
+        if parents is not None and not is_chain(parents):  # tree positions and attention, as the verifier's
+            positions, attend = verification_inputs(parents, state.cache.length(0))
+        else:
+            positions = torch.arange(position, position + len(tokens))
+        hidden = model.forward_layers(model.embed(tokens), 0, drafter.layer, state.cache, position_ids=positions,
+                                      attend=attend)
         if drafter.adapter is not None:
-            drafter.adapter(hidden, state.cache, positions)
+            drafter.adapter(hidden, state.cache, positions, attend=attend)
         return hidden
 
     def _run_synced(self, state: DecodeState, proposal: Proposal) -> Proposal:
-        """Keep the draft adapter's cache layer complete: run ``[x, drafts]`` through its layers and the adapter
-        and hand the verifier the states after its layer (the verifier skips those layers)."""
+        """Keep the draft adapter's cache layer complete: run ``[x, drafts]`` (a chain or a tree, e.g. token
+        recycling's) through its layers and the adapter and hand the verifier the states after its layer (the
+        verifier skips those layers)."""
         tokens = torch.cat([torch.tensor([state.token_ids[-1]]), proposal.tokens])
-        hidden = self._states(self.synced, state, tokens, state.committed_length)
+        hidden = self._states(self.synced, state, tokens, state.committed_length, proposal.parents)
         return replace(proposal, hidden=hidden, hidden_layer=self.synced.layer)
 
     def _token_array(self, state: DecodeState) -> np.ndarray:
@@ -523,11 +602,12 @@ class DyTCDrafter(Drafter):
     def _begin(self, state: DecodeState) -> None:
         """A new generation: its counters start at zero (the estimates carry over)."""
         self._state, self._decision = state, None
+        self._hindsight.clear()
         self._buffer, self._held = np.empty(0, dtype=np.int64), 0
         self._reset_counters()
 
     def _reset_counters(self) -> None:
-        self._counts = {"choices": Counter(), "drafted": Counter(), "accepted": Counter(),
+        self._counts = {"choices": Counter(), "drafted": Counter(), "accepted": Counter(), "hindsight": Counter(),
                         "lookahead_steps": 0, "lookahead_tokens": 0, "lookahead_accepted": 0}
 
     def counters(self) -> dict:
@@ -541,6 +621,7 @@ class DyTCDrafter(Drafter):
             "accepted": {key: counts["accepted"][key] for key in keys if key != NONE},
             "lookahead": {"steps": counts["lookahead_steps"], "tokens": counts["lookahead_tokens"],
                           "accepted": counts["lookahead_accepted"]},
+            "hindsight_scored": {key: counts["hindsight"][key] for key, o in self.options.items() if o.hindsight},
             "estimates": {
                 "acceptance": {key: round(est.value(self.step), 4) for key, est in self.acceptance.items()},
                 "pld_acceptance": {str(n): round(est.value(self.step), 4)
@@ -573,10 +654,13 @@ def draft_cost(model, layer_fraction: float) -> float:
 
 def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max_ngram: int = 3,
               num_tokens: int | None = None, lookahead_tokens: int = 4, tree_topk: int = 4, total_tokens: int = 16,
-              depth: int = 5, feature_adapter=None) -> DyTCDrafter:
+              depth: int = 5, feature_adapter=None, recycle: bool = True) -> DyTCDrafter:
     """The training-free hierarchy of CAS-Spec plus, optionally, a trained draft adapter:
 
     * prompt lookup (up to 10 tokens), also the bottom look-ahead;
+    * token recycling (``recycle``, `cats.draft.recycle`): trees of ``RECYCLE_TOKENS`` nodes read off the table of
+      the target's own recent candidates, near-free like prompt lookup (its table learns from every verification,
+      whichever option drafted);
     * for each sparsity s, a layer-skip drafter ``ls<s><pld`` whose own tokens prompt lookup proposes (vertical
       cascade); with two or more sparsities also ``ls<lowest><ls<highest><pld``, the densest drafter assisted by
       the sparsest;
@@ -598,7 +682,8 @@ def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max
         raise InvalidArgumentError(f"dytc needs num_tokens >= 1, got {limit}")
     lookup = PromptLookupDrafter(num_tokens=10, max_ngram=max_ngram)
     bottom = PromptLookupDrafter(num_tokens=limit, max_ngram=max_ngram)
-    options = []
+    options = [DraftOption("recycle", TokenRecyclingDrafter(model.vocab_size, total_tokens=RECYCLE_TOKENS),
+                           RECYCLE_TOKENS, RECYCLE_PRIOR, PLD_COST, tree=True, hindsight=True)] if recycle else []
     calibrated = [load_or_calibrate(model, s) for s in sorted(sparsities)]
     for result in calibrated:
         drafter = LayerSkipDrafter(model, result.skip, num_tokens=limit, assist=bottom, sparsity=result.sparsity,

@@ -57,6 +57,10 @@ class TreeDrafter(EarlyExitDrafter):
 
     def __init__(self, model: LayeredModel, layer: int | None = None, adapter: Adapter | None = None,
                  tree_topk: int = 4, total_tokens: int = 16, depth: int = 5, threshold: float = 0.0):
+        if adapter is not None and adapter.config.input != "hidden":
+            raise InvalidArgumentError(f"this draft adapter reads the target's final features (input "
+                                       f"{adapter.config.input!r}): trees draft with a layer-state adapter (draft/); "
+                                       "use it with --method early-exit, or eagle for a feature/ adapter")
         super().__init__(model, layer=layer, num_tokens=depth, adapter=adapter, threshold=threshold)
         if tree_topk < 1 or total_tokens < 1 or depth < 1:
             raise InvalidArgumentError(f"tree_topk, total_tokens and depth must be >= 1, got {tree_topk}, "

@@ -233,6 +233,10 @@ def memory_needs(config, dtype: torch.dtype, method: str = "ar", adapters: str |
         from cats.draft.feature import TOTAL_TOKENS
 
         needs.max_tree_tokens = (total_tokens or TOTAL_TOKENS) + 1
+    elif method == "recycle":  # drafts from its table: no layer must stay resident; a fixed tree size
+        from cats.draft.recycle import TOTAL_TOKENS as RECYCLE_TOKENS
+
+        needs.max_tree_tokens = (total_tokens or RECYCLE_TOKENS) + 1
     elif method == "pld":
         needs.max_tree_tokens = (num_draft_tokens or 10) + 1
     elif method == "early-exit" and num_draft_tokens is not None:

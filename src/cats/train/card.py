@@ -14,13 +14,19 @@ def write_model_card(folder: str | Path) -> Path:
     config = json.loads((folder / "config.json").read_text())
     training = config.get("training", {})
     curve = training.get("learning_curve") or []
-    features = config.get("input") == "features"
-    title = "feature draft adapter (EAGLE-style)" if features else f"{config['role']} adapter, layer {config['layer']}"
+    kind = config.get("input", "hidden")
+    features = kind != "hidden"
+    title = {"features": "feature draft adapter (EAGLE-style)",
+             "features+hidden": f"early-exit feature draft adapter, layer {config['layer']}"}.get(
+        kind, f"{config['role']} adapter, layer {config['layer']}")
+    reads = {"features": f"the target's final features after all {config['layer']} layers and the next token's "
+                         "embedding (`cats generate --method eagle`)",
+             "features+hidden": f"the target's final features and the next token's state after layer {config['layer']} "
+                                "(`cats generate --method early-exit`)"}
     lines = [
         f"# CATS {title}",
         "",
-        *([f"- input: the target's final features after all {config['layer']} layers and the next token's embedding "
-           "(`cats generate --method eagle`)"] if features else []),
+        *([f"- input: {reads[kind]}"] if features else []),
         f"- base model: `{config['base_model']['name']}` ({config['architecture']}, "
         f"{config['base_model']['num_layers']} layers, fingerprint `{config['base_model']['fingerprint']}`)",
         f"- block: {config['block']} (initialised: {('random' if config['init'] == 'random' else 'last layer') if features else config['init']}), vocabulary: "

@@ -10,6 +10,7 @@ epoch end; a rerun with the same arguments resumes from the last one.
 A feature draft adapter (``--input features``, EAGLE-style, see `cats.draft.adapter`) trains on the data's final
 features (``cats train features``): position t gets ``[f_t, e(x_{t+1})]`` and learns the target's distribution at
 t+1 (the token after next), plus ``--feature-loss`` times a smooth-L1 regression of its output to f_{t+1}.
+``--input features+hidden`` is the same with the next token's state after ``--layer`` in place of its embedding.
 
 Held-out evaluation (each epoch, and every ``--eval-every`` steps for the learning curve) on data made from prompts
 never trained on (MT-Bench first turns answered by the target):
@@ -57,7 +58,8 @@ class TrainConfig:
     init: str = "next"
     block: str = "decoder"
     draft_vocab: int | None = None  # reduced vocabulary: the N most frequent response tokens of the training data
-    input: str = "hidden"  # "hidden" (state after `layer`) or "features" (EAGLE-style; layer = the model's depth)
+    input: str = "hidden"  # "hidden" (state after `layer`), "features" (EAGLE-style; layer = the model's depth) or
+    # "features+hidden" (final features + the next token's state after `layer`: early exit with features)
     feature_loss: float = 1.0  # feature adapters: weight of the smooth-L1 regression to the next final feature
     eval_every: int = 0  # steps between held-out evaluations (0: at epoch ends only)
     checkpoint_every: int = 200
@@ -74,8 +76,10 @@ class TrainConfig:
             raise InvalidArgumentError(f"--init must be one of {', '.join(INITS)} and --block one of {', '.join(BLOCKS)}")
         if self.input not in INPUTS:
             raise InvalidArgumentError(f"--input must be one of {', '.join(INPUTS)}, got {self.input!r}")
-        if self.input == "features":
-            if self.role != "draft" or self.layer != model.num_layers:
+        if self.input != "hidden":
+            if self.role != "draft":
+                raise InvalidArgumentError(f"a feature adapter (--input {self.input}) drafts: use --role draft")
+            if self.input == "features" and self.layer != model.num_layers:
                 raise InvalidArgumentError(f"a feature adapter drafts from the features after all layers: use "
                                            f"--role draft --layer {model.num_layers}")
             if not data.has_features:
@@ -83,9 +87,10 @@ class TrainConfig:
                                            f"{data.path}` first")
             if self.feature_loss < 0:
                 raise InvalidArgumentError(f"--feature-loss must be >= 0, got {self.feature_loss}")
-        elif not 1 <= self.layer < model.num_layers:
+        reads_layer = self.input != "features"  # the final features alone need no layer's states
+        if reads_layer and not 1 <= self.layer < model.num_layers:
             raise InvalidArgumentError(f"--layer {self.layer} is outside [1, {model.num_layers})")
-        elif self.layer not in data.layers:
+        if reads_layer and self.layer not in data.layers:
             raise InvalidArgumentError(f"the training data holds hidden states of layers {data.layers}, not of layer "
                                        f"{self.layer}; make data with --layers including {self.layer}")
         if self.epochs <= 0 or self.lr <= 0 or self.batch_tokens < 1 or not 0 < self.position_fraction <= 1:
@@ -120,10 +125,12 @@ def load_sample(data: TrainingData, index: int, layer: int, adapter: Adapter) ->
     and ``next_features`` [T-1, H] holds f_{t+1}."""
     if adapter.fc is None:
         return data.sample(index, layers=[layer])
-    sample = data.sample(index, layers=[], features=True)
+    hybrid = adapter.config.input == "features+hidden"  # the next token's state after layer L, not its embedding
+    sample = data.sample(index, layers=[layer] if hybrid else [], features=True)
     features, ids = sample.pop("features"), sample["input_ids"]
+    next_tokens = sample.pop("hidden")[layer][1:] if hybrid else ids[1:]
     with torch.no_grad():
-        inputs = adapter.feature_inputs(features[:-1].to(adapter.fc.weight.dtype), ids[1:])
+        inputs = adapter.feature_inputs(features[:-1].to(adapter.fc.weight.dtype), next_tokens)
     return {**sample, "input_ids": ids[1:], "loss_mask": sample["loss_mask"][1:], "hidden": {layer: inputs},
             "topk_ids": sample["topk_ids"][1:], "topk_probs": sample["topk_probs"][1:], "next_features": features[1:]}
 
@@ -411,7 +418,8 @@ def add_adapter_parser(subparsers) -> None:
     parser.add_argument("--input", choices=INPUTS, default="hidden",
                         help="hidden: the state after --layer; features: EAGLE-style feature draft adapter reading the "
                              "final features and the next token (--role draft --layer <num layers>; needs "
-                             "`cats train features`)")
+                             "`cats train features`); features+hidden: the final features and the next token's state "
+                             "after --layer (an early-exit draft adapter that also reads the target's features)")
     parser.add_argument("--feature-loss", type=float, default=1.0,
                         help="feature adapters: weight of the smooth-L1 regression to the next feature (default 1)")
     parser.add_argument("--draft-vocab", type=integer, default=None,
