@@ -12,6 +12,7 @@ from cats.draft.adapter import new_adapter
 from cats.draft.tree_draft import TreeDrafter
 from cats.errors import InvalidArgumentError
 from cats.generate import GenerationConfig, Generator
+from cats.memory.offload import memory_needs
 from cats.stats import GenerationStats
 from tests.conftest import FAMILIES, VOCAB, hf_greedy, tiny_model
 
@@ -44,14 +45,13 @@ def test_early_exit_with_features_equals_hf_greedy(family):
     model = tiny_model(family, damp=0.1)
     adapter = early_exit_feature_adapter(model)
     accepted = 0
-    for prompt in prompts():
+    for prompt, (num_tokens, threshold) in zip(prompts(), ((3, 0.0), (5, 0.3))):
         expected = hf_greedy(model, prompt, NEW_TOKENS)
-        for num_tokens, threshold in ((3, 0.0), (5, 0.3)):
-            drafter = EarlyExitDrafter(model, num_tokens=num_tokens, adapter=adapter, threshold=threshold)
-            result = run(model, drafter, prompt)
-            assert result.token_ids == expected, f"{family} k={num_tokens} prompt={prompt[:4]}..."
-            assert result.stats.new_tokens == 1 + sum(result.stats.accept_lengths)
-            accepted += result.stats.accepted_draft_tokens
+        drafter = EarlyExitDrafter(model, num_tokens=num_tokens, adapter=adapter, threshold=threshold)
+        result = run(model, drafter, prompt)
+        assert result.token_ids == expected, f"{family} k={num_tokens} prompt={prompt[:4]}..."
+        assert result.stats.new_tokens == 1 + sum(result.stats.accept_lengths)
+        accepted += result.stats.accepted_draft_tokens
     assert accepted > 0, family  # the equality above covered accepted drafts, not only rejections
 
 
@@ -104,3 +104,9 @@ def test_early_exit_finds_its_own_adapter_and_trees_refuse_it(tmp_path):
         TreeDrafter(model, adapter=early_exit_feature_adapter(model))
     plain = make_drafter("early-exit", model, adapters=str(tmp_path / "draft"), num_draft_tokens=3)
     assert not plain.wants_features and plain.layer == 2
+    # memory plans count the adapter each method loads (the early-exit one has fc as well)
+    early = memory_needs(model.config, torch.float64, "early-exit", adapters=str(tmp_path))
+    trees = memory_needs(model.config, torch.float64, "tree", adapters=str(tmp_path))
+    size = model.config.hidden_size
+    assert early.min_resident_layers == 1 and trees.min_resident_layers == 2
+    assert early.adapter_bytes - trees.adapter_bytes == (2 * size * size + size) * 8  # fc, float64; same blocks

@@ -1,7 +1,9 @@
 """The contract on a real model: SmolLM2-135M-Instruct (float32) on 20 MT-Bench first turns x 64 new tokens,
 `pld`, `early-exit` (trained draft adapter, chain) and `cats` (trained adapters, tree + cascade with a redraft pass)
 produce exactly transformers' greedy tokens; in the slow run (`-m slow`) also `tree`, `eagle` (trained feature
-adapter, tree), `layer-skip` (a fixed skip set at sparsity 0.4, prompt lookup under it; ~4 min) and `dytc`.
+adapter, tree), `early-exit-features` (early exit through the trained early-exit feature adapter), `recycle` (token
+recycling), `layer-skip` (a fixed skip set at sparsity 0.4, prompt lookup under it; ~4 min) and `dytc` (with token
+recycling's trees among its options).
 
 A difference is tolerated only where it is a numerical near-tie of the reference (top-2 logit gap < 1e-4 at the
 first differing position); such cases are counted and printed, never silently passed."""
@@ -19,6 +21,7 @@ from cats.draft import EarlyExitDrafter, LayerSkipDrafter, PromptLookupDrafter, 
 from cats.draft.dytc import DraftOption, DyTCDrafter
 from cats.draft.adapter import load_adapter, new_adapter
 from cats.draft.feature import FeatureDrafter
+from cats.draft.recycle import TokenRecyclingDrafter
 from cats.generate import GenerationConfig, Generator, encode_prompt
 from tests.conftest import MT_BENCH, REPO_ROOT, SMOLLM2, hf_greedy, needs
 
@@ -61,6 +64,14 @@ def make_generator(model, method):
         return Generator(model, PromptLookupDrafter(num_tokens=10))
     if method == "layer-skip":
         return Generator(model, LayerSkipDrafter(model, SKIP_04, num_tokens=4, assist=PromptLookupDrafter(6)))
+    if method == "recycle":
+        return Generator(model, TokenRecyclingDrafter(model.vocab_size))
+    if method == "early-exit-features":
+        if (TRAINED / "early-exit").is_dir():
+            adapter = load_adapter(TRAINED / "early-exit", model, role="draft")
+        else:
+            adapter = new_adapter(model, "draft", 2, input="features+hidden", vocab_subset=list(range(8192)))
+        return Generator(model, EarlyExitDrafter(model, num_tokens=4, adapter=adapter, threshold=0.3))
     if method == "eagle":
         if (TRAINED / "feature").is_dir():
             feature = load_adapter(TRAINED / "feature", model, role="draft", layer=model.num_layers)
@@ -79,8 +90,10 @@ def make_generator(model, method):
         skip = LayerSkipDrafter(model, SKIP_04, num_tokens=6, assist=PromptLookupDrafter(6))
         chain = EarlyExitDrafter(model, num_tokens=6, adapter=draft)
         tree = TreeDrafter(model, adapter=draft, tree_topk=3, total_tokens=10, depth=4)
+        recycle = TokenRecyclingDrafter(model.vocab_size, total_tokens=8)  # trees run through the adapter's layers
         options = [DraftOption("ls0.4<pld", skip, 6, 0.6, 0.7), DraftOption("draft-adapter", chain, 6, 0.6, 0.3),
-                   DraftOption("draft-tree", tree, 10, 0.6, 0.2, tree=True)]
+                   DraftOption("draft-tree", tree, 10, 0.6, 0.2, tree=True),
+                   DraftOption("recycle", recycle, 8, 0.6, 0.01, tree=True, hindsight=True)]
         return Generator(model, DyTCDrafter(options, lookup=PromptLookupDrafter(num_tokens=10)))
     drafter = TreeDrafter(model, adapter=draft, tree_topk=3, total_tokens=10, depth=4)
     if method == "tree":
@@ -89,8 +102,13 @@ def make_generator(model, method):
     return Generator(model, drafter, scorer=scorer)
 
 
-@pytest.mark.parametrize("method", ["pld", "early-exit", pytest.param("tree", marks=pytest.mark.slow), "cats", pytest.param("eagle", marks=pytest.mark.slow),
-                                    pytest.param("layer-skip", marks=pytest.mark.slow), pytest.param("dytc", marks=pytest.mark.slow)])
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("method", ["pld", "early-exit", pytest.param("tree", marks=SLOW), "cats",
+                                    pytest.param("eagle", marks=SLOW), pytest.param("early-exit-features", marks=SLOW),
+                                    pytest.param("recycle", marks=SLOW), pytest.param("layer-skip", marks=SLOW),
+                                    pytest.param("dytc", marks=SLOW)])
 def test_smollm2_matches_transformers_greedy(smollm2, references, method, capsys):
     generator = make_generator(smollm2, method)
     near_ties, accepted, drafted = [], 0, 0

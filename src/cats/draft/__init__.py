@@ -28,13 +28,9 @@ def _draft_adapter(adapters: str | None, model: LayeredModel, early_exit: bool =
     ``DIR/early-exit/`` (an early-exit feature adapter, input ``features+hidden``) when there is one."""
     if adapters is None:
         return None
-    from pathlib import Path
+    from cats.draft.adapter import find_draft_adapter, load_adapter
 
-    from cats.draft.adapter import find_adapter, load_adapter
-
-    own = Path(adapters) / "early-exit"
-    folder = own if early_exit and (own / "config.json").is_file() else find_adapter(adapters, "draft")
-    return load_adapter(folder, model, role="draft")
+    return load_adapter(find_draft_adapter(adapters, early_exit), model, role="draft")
 
 
 def _feature_adapter(adapters: str | None, model: LayeredModel):

@@ -283,6 +283,15 @@ def load_adapter(folder: str | Path, model: LayeredModel, role: str | None = Non
     return adapter.to(model.dtype).eval().requires_grad_(False)
 
 
+def find_draft_adapter(folder: str | Path, early_exit: bool = False) -> Path:
+    """The draft adapter of an adapters folder (``DIR/draft/``, or DIR itself); for early exit its own
+    ``DIR/early-exit/`` (an early-exit feature adapter, input ``features+hidden``) when there is one."""
+    own = Path(folder) / "early-exit"
+    if early_exit and (own / "config.json").is_file():
+        return own
+    return find_adapter(folder, "draft")
+
+
 def find_adapter(folder: str | Path, role: str) -> Path:
     """``DIR/<role>/`` when ``DIR`` holds per-role adapters (as ``adapters/<model>/``), else ``DIR`` itself."""
     folder = Path(folder)

@@ -200,7 +200,7 @@ def memory_needs(config, dtype: torch.dtype, method: str = "ar", adapters: str |
     when the tree size is left to the budget). The cascade's shallow layers ``[L_d, L_sv)`` run once per pass: they
     stay resident when the budget allows (as many layers as fit always do) and stream otherwise."""
     from cats.draft import check_method
-    from cats.draft.adapter import find_adapter
+    from cats.draft.adapter import find_adapter, find_draft_adapter
     from cats.memory.speculation import BUCKETS, pass_tokens
 
     check_method(method)
@@ -212,7 +212,9 @@ def memory_needs(config, dtype: torch.dtype, method: str = "ar", adapters: str |
     if adapters is not None and method not in ("ar", "pld", "eagle"):
         roles = ("draft", "shallow") if method == "cats" else ("draft",)
         for role in roles:
-            layer, size = adapter_bytes(find_adapter(adapters, role), config.hidden_size, itemsize)
+            folder = find_draft_adapter(adapters, method == "early-exit") if role == "draft" else find_adapter(
+                adapters, role)
+            layer, size = adapter_bytes(folder, config.hidden_size, itemsize)
             if role == "draft":
                 layers.append(layer)
             else:
