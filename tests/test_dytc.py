@@ -300,19 +300,22 @@ def test_scheduler_counters_are_summed_in_bench_summaries():
 def test_unchosen_recycling_drafts_are_scored_in_hindsight():
     """A draft of a hindsight option that was not verified counts the tokens it would have had accepted: its longest
     root path equal to the tokens committed after it, once they cover its depth."""
-    from cats.draft.base import DecodeState
     from cats.draft.recycle import TokenRecyclingDrafter
 
     model = tiny_model("llama")
     option = DraftOption("recycle", TokenRecyclingDrafter(model.vocab_size), 6, 0.5, 0.01, tree=True, hindsight=True)
     drafter = DyTCDrafter([option], lookup=None)
-    drafter._hindsight.extend([("recycle", 0, 3, [5, 6, 7], [-1, -1, 0], 2),  # 5 -> 7 matches both tokens after x
-                               ("recycle", 0, 3, [6], [-1], 1),  # 6 is not the token committed after x
-                               ("recycle", 2, 3, [5], [-1], 1),  # drafted after a 2-gram lookup match
-                               ("recycle", 0, 5, [9, 9], [-1, 0], 2)])  # needs two tokens after position 5: one so far
+    def draft(tokens, parents):
+        return Proposal(tokens=torch.tensor(tokens), parents=torch.tensor(parents))
+
+    drafter._defer("recycle", 0, 3, draft([5, 6, 7], [-1, -1, 0]))  # 5 -> 7 matches both tokens after x
+    drafter._defer("recycle", 0, 3, draft([6], [-1]))  # 6 is not the token committed after x
+    drafter._defer("recycle", 2, 3, draft([5], [-1]))  # drafted after a 2-gram lookup match
+    drafter._defer("recycle", 0, 5, draft([9, 9], [-1, 0]))  # needs two tokens after position 5: one so far
     state = DecodeState(model, model.new_cache(), [1, 2, 3, 5, 7, 9], 3)
     drafter._score_hindsight(state)
     assert [value for _, value, _ in drafter.tree_yield["recycle|0"].history] == [2.0, 0.0]
     assert [value for _, value, _ in drafter.tree_yield["recycle|2"].history] == [1.0]  # yields per lookup match
-    assert list(drafter._hindsight) == [("recycle", 0, 5, [9, 9], [-1, 0], 2)]
+    assert [(e.key, e.ngram, e.before, e.tokens.tolist(), e.parents.tolist()) for e in drafter._hindsight] == [
+        ("recycle", 0, 5, [9, 9], [-1, 0])]
     assert drafter.counters()["hindsight_scored"] == {"recycle": 3}

@@ -66,7 +66,7 @@ from cats.draft.base import DecodeState, Drafter, Proposal
 from cats.draft.prompt_lookup import PromptLookupDrafter, lookup_with_ngram
 from cats.draft.recycle import TokenRecyclingDrafter, graft
 from cats.errors import InvalidArgumentError
-from cats.tree import chain_parents, depths, is_chain, verification_inputs
+from cats.tree import chain_parents, depths, greedy_path, is_chain, verification_inputs
 
 DECAY, WINDOW = 0.7, 20  # CAS-Spec's acceptance moving average
 FORGETTING = 0.98  # latency fits
@@ -219,6 +219,18 @@ class DraftOption:
 
 
 @dataclass
+class _Unverified:
+    """A hindsight option's draft that was not verified (see `DyTCDrafter._score_hindsight`)."""
+
+    key: str  # the option
+    ngram: int  # the n-gram length prompt lookup matched when it was drafted (0: none)
+    before: int  # tokens (prompt + generated) when it was drafted: its root x is the last of them
+    tokens: torch.Tensor  # [k] its nodes
+    parents: torch.Tensor  # [k]
+    depths: torch.Tensor  # [k] each node's depth (1 = a child of x)
+
+
+@dataclass
 class _Decision:
     key: str  # NONE, PLD or an option's key
     k: int  # chain tokens drafted
@@ -289,9 +301,7 @@ class DyTCDrafter(Drafter):
         # token than the line through multi-token forwards predicts (matrix-vector vs matrix-matrix kernels)
         self.draft_latency = {key: LatencyModel(0.05, forgetting) for key in list(self.options) + [PLD]}
         self.step = 0
-        self._hindsight: deque[tuple[str, int, int, list[int], list[int], int]] = deque()  # (key, lookup n-gram,
-        # tokens before, draft tokens, parents, depth) of drafts not verified, scored once `depth` more tokens are
-        # committed
+        self._hindsight: deque[_Unverified] = deque()  # drafts not verified, scored once the tokens cover them
         self._state: DecodeState | None = None
         self._decision: _Decision | None = None
         self._reset_counters()
@@ -444,10 +454,7 @@ class DyTCDrafter(Drafter):
             decision.k = proposal.num_tokens
         for other, draft in ready.items():  # the drafts not verified now are scored once the target has decided
             if other != key and draft.num_tokens:
-                depth = int(depths(draft.parents).max()) if draft.parents is not None else draft.num_tokens
-                self._hindsight.append((other, ngram, len(state.token_ids), draft.tokens.tolist(),
-                                        (draft.parents if draft.parents is not None
-                                         else chain_parents(draft.num_tokens)).tolist(), depth))
+                self._defer(other, ngram, len(state.token_ids), draft)
         drafted_at = self.clock()
         if key not in (NONE, PLD):
             self.draft_latency[key].observe(decision.k, drafted_at - start)
@@ -473,26 +480,27 @@ class DyTCDrafter(Drafter):
             proposal = graft(proposal, found.tolist())
         return proposal
 
+    def _defer(self, key: str, ngram: int, before: int, draft: Proposal) -> None:
+        """Keep option ``key``'s unverified ``draft``, made after ``before`` tokens, for `_score_hindsight`."""
+        parents = draft.parents if draft.parents is not None else chain_parents(draft.num_tokens)
+        self._hindsight.append(_Unverified(key, ngram, before, draft.tokens, parents, depths(parents)))
+
     def _score_hindsight(self, state: DecodeState) -> None:
         """Score the unverified drafts of hindsight options whose depth the committed tokens now cover: the tokens
         a draft would have had accepted are its longest root path equal to the tokens committed after it (exact:
-        greedy output, and sampled output with deterministic drafts, do not depend on what was drafted)."""
+        greedy output, and sampled output with deterministic drafts, do not depend on what was drafted), i.e. its
+        `greedy_path` with the committed token at each depth as the target's choice."""
         ids, waiting = state.token_ids, deque()
-        while self._hindsight:
-            entry = self._hindsight.popleft()
-            key, ngram, before, tokens, parents, depth = entry
-            if len(ids) - before < depth:
+        for entry in self._hindsight:
+            depth = int(entry.depths.max())
+            if len(ids) - entry.before < depth:
                 waiting.append(entry)
                 continue
-            children = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens))}
-            accepted, node = 0, -1
-            for token in ids[before : before + depth]:
-                node = children.get((node, token), -2)
-                if node == -2:
-                    break
-                accepted += 1
-            self._tree_yield(key, ngram).observe(self.step, float(accepted))
-            self._counts["hindsight"][key] += 1
+            committed = torch.tensor(ids[entry.before : entry.before + depth] + [-1])  # -1: below the deepest nodes
+            choice = torch.cat([committed[:1], committed[entry.depths]])  # after x, then after each node
+            accepted = len(greedy_path(entry.tokens, entry.parents, choice))
+            self._tree_yield(entry.key, entry.ngram).observe(self.step, float(accepted))
+            self._counts["hindsight"][entry.key] += 1
         self._hindsight = waiting
 
     def take_features(self, final_states: torch.Tensor) -> None:

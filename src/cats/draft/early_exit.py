@@ -23,6 +23,7 @@ import torch
 
 from cats.draft.adapter import Adapter
 from cats.draft.base import DecodeState, Draw, Drafter, Proposal
+from cats.draft.feature import append_features
 from cats.errors import InvalidArgumentError
 from cats.model import LayeredModel
 
@@ -92,8 +93,7 @@ class EarlyExitDrafter(Drafter):
 
     def take_features(self, final_states: torch.Tensor) -> None:
         """(Feature adapters) the target's last-layer states ``[n, H]`` of the next n committed tokens."""
-        normed = self.model.decoder.norm(final_states)
-        self._features = normed if self._features is None else torch.cat([self._features, normed])
+        self._features = append_features(self.model, self._features, final_states)
 
     def _catch_up(self, state: DecodeState, pending: torch.Tensor) -> torch.Tensor:
         """Feed the adapter the true entries it lacks, ``[f_t, h_L(x_{t+1})]`` for t = _fed .. c-1 (``pending`` =

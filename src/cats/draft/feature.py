@@ -90,8 +90,7 @@ class FeatureDrafter(Drafter):
 
     def take_features(self, final_states: torch.Tensor) -> None:
         """The target's last-layer states ``[n, H]`` (before its final norm) of the next n committed positions."""
-        normed = self.model.decoder.norm(final_states)
-        self._features = normed if self._features is None else torch.cat([self._features, normed])
+        self._features = append_features(self.model, self._features, final_states)
 
     def _catch_up(self, state: DecodeState) -> torch.Tensor:
         """Feed the true features not yet in the adapter's cache; return the estimate of f_c (``[H]``)."""
@@ -218,6 +217,13 @@ class FeatureShape(Drafter):
     def describe(self) -> dict:
         return {**self.core.describe(), "tree_topk": self.tree_topk, "total_tokens": self.total_tokens,
                 "depth": self.depth}
+
+
+def append_features(model: LayeredModel, pending: torch.Tensor | None, final_states: torch.Tensor) -> torch.Tensor:
+    """The true features ``pending`` (``[n, H]``, or None) followed by those of the next committed positions: the
+    target's final norm of their last-layer states ``final_states`` (what its lm_head reads)."""
+    normed = model.decoder.norm(final_states)
+    return normed if pending is None else torch.cat([pending, normed])
 
 
 def _check_shape(tree_topk: int, total_tokens: int, depth: int) -> None:
