@@ -118,14 +118,14 @@ def test_packing_off_runs_plain_linears():
     model = tiny_model("llama", seed=7, damp=0.1, dtype=torch.bfloat16)
     if lean.pack_linears(model)["reason"]:
         pytest.skip("no oneDNN bf16 here")
-    weight = model.layers[0].self_attn.q_proj.weight
+    weight, fused = model.layers[0].self_attn.o_proj.weight, model.layers[0].self_attn.q_proj.weight
     with lean.packing_off():
         tokens(model, new=4)
-    assert weight not in lean._PACKED
+    assert weight not in lean._PACKED and fused not in lean._FUSED
     tokens(model, new=4)
-    assert weight in lean._PACKED
+    assert weight in lean._PACKED and fused in lean._FUSED  # q, k, v run as one fused packed GEMM
     lean.unpack_linears(model)
-    assert weight not in lean._PACKED
+    assert weight not in lean._PACKED and fused not in lean._FUSED
 
 
 def test_pack_weights_flag_refuses_what_it_cannot_do(tmp_path):

@@ -29,6 +29,7 @@ from torch import nn
 from cats.errors import CatsError
 from cats.model import KVCache, LayeredModel
 from cats.model.identity import model_identity
+from cats.model.lean_layer import lean_layer_forward, lean_unsupported
 
 FORMAT = "cats-adapter/1"
 ROLES = ("draft", "shallow")
@@ -121,6 +122,7 @@ class Adapter(nn.Module):
         self.register_buffer("vocab_ids", torch.tensor(subset, dtype=torch.long) if subset else None, persistent=False)
         self._head_rows: torch.Tensor | None = None
         self._packed = False
+        self._lean: bool | None = None  # whether the block has a lean forward (`_lean_block`)
 
     @torch.no_grad()
     def _init_fc(self, model: LayeredModel) -> None:
@@ -139,6 +141,12 @@ class Adapter(nn.Module):
         eye = torch.eye(size, dtype=self.fc.weight.dtype)
         self.fc.weight.copy_(torch.cat([eye, scale * eye], dim=1))
         self.fc.bias.zero_()
+
+    def _lean_block(self) -> bool:
+        """Whether the block can run the target's lean layer forward (decoding, a block class that has one)."""
+        if self._lean is None:
+            self._lean = lean_unsupported(self.block) is None
+        return self._lean
 
     @property
     def cache_layer(self) -> int:
@@ -175,10 +183,13 @@ class Adapter(nn.Module):
             positions = position_ids.to(hidden.device).unsqueeze(0)
         else:
             positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0).expand(hidden.shape[0], -1)
-        out = self.block(hidden, attention_mask=attention_mask, position_embeddings=model.rotary(hidden, positions, self.kind),
-                         position_ids=positions, cache=cache.hf_cache if cache is not None else None,
-                         use_cache=cache is not None)
-        out = out[0] if isinstance(out, tuple) else out
+        rotary = model.rotary(hidden, positions, self.kind)
+        if cache is not None and model.lean and not self.training and self._lean_block():
+            out = lean_layer_forward(self.block, hidden, attention_mask, rotary, cache.hf_cache)
+        else:
+            out = self.block(hidden, attention_mask=attention_mask, position_embeddings=rotary, position_ids=positions,
+                             cache=cache.hf_cache if cache is not None else None, use_cache=cache is not None)
+            out = out[0] if isinstance(out, tuple) else out
         if cache is not None:
             cache.record(self.cache_layer, self.cache_layer + 1, position_ids.cpu())
         return self.norm(out)

@@ -154,8 +154,8 @@ class SkipModel:
             kwargs = dict(attention_mask=masks.get(kind), position_embeddings=rotary.get(kind),
                           position_ids=device_positions, cache=cache.hf_cache, use_cache=True)
             if plan is None:
-                out = model.layers[i](hidden, **kwargs)
-                hidden = out[0] if isinstance(out, tuple) else out
+                hidden = model.run_layer(i, hidden, kwargs["attention_mask"], kwargs["position_embeddings"],
+                                         device_positions, cache.hf_cache)
                 continue
             run_attention, run_mlp, (attention, mlp) = plan
             if run_attention:

@@ -14,6 +14,7 @@ import torch
 
 from cats.errors import UnsupportedArchitectureError
 from cats.model.cache import KVCache
+from cats.model.lean_layer import lean_default, lean_layer_forward, lean_unsupported
 
 # model_type -> family name shown to users. All of them keep their decoder in `model.model.layers`, the rotary
 # embedding in `model.model.rotary_emb`, the final norm in `model.model.norm` and the head in `model.lm_head`.
@@ -87,6 +88,10 @@ class LayeredModel:
         self._rotary_per_layer_type = "layer_type" in rotary_params
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         self.packed = False  # bf16 linears routed through prepacked oneDNN weights (`cats.model.lean.pack_linears`)
+        # the lean layer forward (`cats.model.lean_layer`) where the layer class has one; set False for the modules'
+        # own forward (default: on unless CATS_LEAN=0)
+        self.lean = lean_default()
+        self._lean_layers = [lean_unsupported(layer) is None for layer in self.layers[: self.num_layers]]
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -200,20 +205,23 @@ class LayeredModel:
             if weights is not None:  # a streamed layer's parameters are real only between acquire and release
                 weights.acquire(i)
             try:
-                out = self.layers[i](
-                    hidden,
-                    attention_mask=masks[kind],
-                    position_embeddings=rotary[kind],
-                    position_ids=device_positions,
-                    cache=cache.hf_cache,
-                    use_cache=True,
-                )
+                hidden = self.run_layer(i, hidden, masks[kind], rotary[kind], device_positions, cache.hf_cache)
             finally:
                 if weights is not None:
                     weights.release(i)
-            hidden = out[0] if isinstance(out, tuple) else out
         cache.record(start, end, position_ids)
         return hidden
+
+    def run_layer(self, i: int, hidden: torch.Tensor, mask: torch.Tensor | None, rotary, position_ids: torch.Tensor,
+                  hf_cache) -> torch.Tensor:
+        """Decoder layer ``i`` on ``hidden`` (its K/V appended to ``hf_cache``): the lean forward where it has one
+        and `lean` is on, else the module's own forward. Callers account for the slots (`KVCache.record`)."""
+        layer = self.layers[i]
+        if self.lean and self._lean_layers[i]:
+            return lean_layer_forward(layer, hidden, mask, rotary, hf_cache)
+        out = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids,
+                    cache=hf_cache, use_cache=True)
+        return out[0] if isinstance(out, tuple) else out
 
     def forward(
         self,

@@ -83,6 +83,7 @@ def compile_layers(model, dynamic: bool = True, cache_dir: str | None = None) ->
             module._lean = {"compiled": compiled[part], "state": state}
             module.forward = types.MethodType(_lean_forward, module)
     model._lean_state = state
+    model.lean_before_compile, model.lean = model.lean, False  # the lean layer forward would bypass the parts
     return {"compiled": True, "reason": None, "state": state}
 
 
@@ -94,6 +95,7 @@ def uncompile_layers(model) -> None:
             module.__dict__.pop("forward", None)
             module.__dict__.pop("_lean", None)
     model._lean_state = None
+    model.lean = getattr(model, "lean_before_compile", model.lean)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -129,6 +131,34 @@ def packed_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         entry = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
         _PACKED[weight] = entry
     return torch.ops.mkldnn._linear_pointwise(hidden, entry[1], bias, "none", [], "")
+
+
+_FUSED = WeakIdKeyDictionary()  # first weight of a fused group -> (keys, packed concatenated weight, bias or None)
+
+
+def is_packed(module: nn.Module) -> bool:
+    """Whether ``module`` (an ``nn.Linear``) runs through `packed_linear` (see `pack_linears`)."""
+    return getattr(vars(module).get("forward"), "__func__", None) is _packed_linear_forward
+
+
+def fused_linear(hidden: torch.Tensor, modules) -> torch.Tensor | None:
+    """The outputs of ``modules`` (``nn.Linear``s reading the same input, e.g. q, k and v) side by side, from one
+    GEMM on a prepacked copy of their concatenated weights, when every one of them is packed (`pack_linears`) and
+    packing is on; None otherwise (the caller runs them one by one). The fused copy replaces their separate packed
+    copies (those are made on first use only) and is made again whenever one of the weights changes."""
+    if PACKING["off"] or hidden.dtype != torch.bfloat16 or not all(is_packed(module) for module in modules):
+        return None
+    weights = [module.weight for module in modules]
+    key = tuple((w.data_ptr(), None if w.is_inference() else w._version) for w in weights)
+    entry = _FUSED.get(weights[0])
+    if entry is None or entry[0] != key:
+        bias = None
+        if any(module.bias is not None for module in modules):
+            bias = torch.cat([module.bias.detach() if module.bias is not None else
+                              module.weight.new_zeros(module.out_features) for module in modules])
+        entry = (key, torch.ops.mkldnn._reorder_linear_weight(torch.cat([w.detach() for w in weights]), 1), bias)
+        _FUSED[weights[0]] = entry
+    return torch.ops.mkldnn._linear_pointwise(hidden, entry[1], entry[2], "none", [], "")
 
 
 def _packed_linear_forward(module: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
@@ -195,7 +225,8 @@ def unpack_linears(model) -> None:
     """Undo `pack_linears` (frees the packed copies)."""
     for module in [*model.layers[: model.num_layers], model.hf_model.lm_head]:
         for inner in module.modules():
-            if getattr(vars(inner).get("forward"), "__func__", None) is _packed_linear_forward:
+            if is_packed(inner):
                 inner.__dict__.pop("forward", None)
                 _PACKED.pop(inner.weight, None)
+                _FUSED.pop(inner.weight, None)
     model.packed = False

@@ -1,0 +1,147 @@
+"""The lean decoder-layer forward: the same math as a transformers pre-norm decoder layer, in fewer, larger ops.
+
+On a CPU a small model's decode step is dominated by per-op overhead, not arithmetic (docs/performance.md). This
+forward runs a Llama, Mistral, Qwen2, Qwen3 or Phi3 decoder layer from the layer's own HF modules and parameters
+(norms, projections, activation, the model's attention function: the HF modules stay the source of truth) and
+differs from the module's ``forward`` only in how the work is grouped:
+
+* **one attention call per layer without GQA overhead at one query**: a single query token's heads are packed per
+  KV head (``[B, kv_heads, groups, D]``), as transformers' own ``pack_gqa`` does, instead of SDPA's ``enable_gqa``
+  path, which costs ~3-7x more on this CPU for one token;
+* **fused projections on packed weights**: with ``--pack-weights`` (`cats.model.lean.pack_linears`) q, k and v run
+  as one prepacked GEMM, and so do gate and up (one packed copy of the concatenated weights replaces the separate
+  packed copies); without packing each projection is its module's own call;
+* **q and k rotated in one pass** when they come out of one fused GEMM;
+* the KV cache write goes straight to the layer's cache, and no attention weights or unused outputs are built.
+
+Outputs: bit-identical to the module's forward in bfloat16 on SmolLM2 (measured: ``benchmarks/forward_profile.py``);
+in float32/float64 the packed single-query attention may round differently in the last bits. Every method runs on
+the same forward, so speculative decoding still reproduces plain greedy decoding token for token (the lossless
+tests run on this path; transformers' own ``generate`` never does, so the references stay independent).
+
+`LayeredModel.lean` switches it (default on; ``CATS_LEAN=0`` in the environment turns it off for a process).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+# decoder layer classes whose forward is exactly: x + attn(input_layernorm(x)); x + mlp(post_attention_layernorm(x))
+LEAN_LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
+                                "Phi3DecoderLayer"})
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+def lean_default() -> bool:
+    """Whether new models run the lean forward: yes, unless ``CATS_LEAN`` is ``0``/``false``/``off``."""
+    return os.environ.get("CATS_LEAN", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def lean_unsupported(layer: nn.Module) -> str | None:
+    """None if `lean_layer_forward` can run ``layer``, else why not."""
+    name = type(layer).__name__
+    if name not in LEAN_LAYER_CLASSES:
+        return f"{name} has no lean forward"
+    attention = layer.self_attn
+    implementation = attention.config._attn_implementation
+    if implementation not in ATTENTION_IMPLEMENTATIONS:
+        return f"attention implementation {implementation!r}"
+    if layer.training:
+        return "training mode"
+    mlp = layer.mlp
+    if name == "Phi3DecoderLayer":
+        if not (hasattr(attention, "qkv_proj") and hasattr(mlp, "gate_up_proj")):
+            return "Phi3 layer without fused qkv_proj / gate_up_proj"
+    elif not all(hasattr(attention, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")) or not all(
+            hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj")):
+        return f"{name} without the usual projections"
+    return None
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotary embedding (``x * cos + rotate_half(x) * sin`` over the first ``cos.shape[-1]`` dims; the
+    rest passes through, as Phi3's partial rotary does) for ``x`` ``[B, heads, T, D]`` and cos/sin ``[B, 1, T, R]``."""
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        half = rotary // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    part, rest = x[..., :rotary], x[..., rotary:]
+    half = rotary // 2
+    return torch.cat([part * cos + torch.cat((-part[..., half:], part[..., :half]), dim=-1) * sin, rest], dim=-1)
+
+
+def _projections(layer: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``(qkv [B, T, (Hq + 2 Hk) D], q width, k width)``: one fused GEMM where possible, else three module calls."""
+    from cats.model.lean import fused_linear
+
+    attention = layer.self_attn
+    if hasattr(attention, "qkv_proj"):  # Phi3: fused in the checkpoint
+        q_width = attention.config.num_attention_heads * attention.head_dim
+        return attention.qkv_proj(hidden), q_width, attention.num_key_value_heads * attention.head_dim
+    parts = (attention.q_proj, attention.k_proj, attention.v_proj)
+    fused = fused_linear(hidden, parts)
+    if fused is None:
+        return None, 0, 0
+    return fused, parts[0].out_features, parts[1].out_features
+
+
+def lean_layer_forward(layer: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
+                       position_embeddings: tuple[torch.Tensor, torch.Tensor], cache) -> torch.Tensor:
+    """One decoder layer (see the module docstring) on ``hidden`` ``[B, T, H]``; appends the T tokens' K/V to
+    ``cache`` (a transformers cache) at the layer's index. ``attention_mask`` is the additive float mask
+    ``[B, 1, T, P + T]`` or None (every slot visible), ``position_embeddings`` the model's rotary (cos, sin)."""
+    attention, mlp = layer.self_attn, layer.mlp
+    batch, length, _ = hidden.shape
+    dim = attention.head_dim
+    normed = layer.input_layernorm(hidden)
+    qkv, q_width, k_width = _projections(layer, normed)
+    cos, sin = position_embeddings
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    q_norm = getattr(attention, "q_norm", None)  # Qwen3: per-head RMSNorm of q and k before the rotary embedding
+    if qkv is not None and q_norm is None:  # q and k side by side: rotate them in one pass
+        query_key = qkv[..., : q_width + k_width].view(batch, length, -1, dim).transpose(1, 2)
+        query_key = _rotate(query_key, cos, sin)
+        query, key = query_key[:, : q_width // dim], query_key[:, q_width // dim:]
+        value = qkv[..., q_width + k_width:].view(batch, length, -1, dim).transpose(1, 2)
+    else:
+        if qkv is not None:
+            query, key, value = qkv.split([q_width, k_width, qkv.shape[-1] - q_width - k_width], dim=-1)
+        else:
+            query, key, value = attention.q_proj(normed), attention.k_proj(normed), attention.v_proj(normed)
+        query, key = query.view(batch, length, -1, dim), key.view(batch, length, -1, dim)
+        if q_norm is not None:
+            query, key = q_norm(query), attention.k_norm(key)
+        query = _rotate(query.transpose(1, 2), cos, sin)
+        key = _rotate(key.transpose(1, 2), cos, sin)
+        value = value.view(batch, length, -1, dim).transpose(1, 2)
+    key, value = cache.update(key, value, attention.layer_idx)
+    groups = query.shape[1] // key.shape[1]
+    implementation = attention.config._attn_implementation
+    if length == 1 and attention_mask is None and implementation == "sdpa":
+        # one query: its heads packed per KV head, [B, kv_heads, groups, D] (transformers' pack_gqa)
+        out = nn.functional.scaled_dot_product_attention(query.reshape(batch, key.shape[1], groups, dim), key, value,
+                                                         scale=attention.scaling)
+        out = out.reshape(batch, 1, -1)
+    else:
+        attend = (sys.modules[type(attention).__module__].eager_attention_forward if implementation == "eager"
+                  else ALL_ATTENTION_FUNCTIONS[implementation])  # what the module itself would call
+        out, _ = attend(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling,
+                        sliding_window=getattr(attention, "sliding_window", None))
+        out = out.reshape(batch, length, -1)
+    hidden = hidden + attention.o_proj(out)
+    normed = layer.post_attention_layernorm(hidden)
+    if hasattr(mlp, "gate_up_proj"):  # Phi3
+        gate, up = mlp.gate_up_proj(normed).chunk(2, dim=-1)
+        activation = mlp.activation_fn
+    else:
+        from cats.model.lean import fused_linear
+
+        fused = fused_linear(normed, (mlp.gate_proj, mlp.up_proj))
+        gate, up = fused.chunk(2, dim=-1) if fused is not None else (mlp.gate_proj(normed), mlp.up_proj(normed))
+        activation = mlp.act_fn
+    return hidden + mlp.down_proj(activation(gate) * up)
