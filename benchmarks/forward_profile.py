@@ -8,8 +8,10 @@ that ratios are comparable on a shared machine):
   for the last position only),
 * ``cats-dynamic``: `LayeredModel.forward_layers` + head over a `KVCache` whose layers are ``DynamicLayer``s
   (torch.cat per append: the cache before issue 9),
-* ``cats``: the same over the preallocated `KVCache` (``SlotLayer``s),
-* ``cats-packed`` (``--pack``, bf16): ``cats`` with `cats.model.lean.pack_linears` (oneDNN-prepacked weights),
+* ``cats``: the same over the preallocated `KVCache` (``SlotLayer``s), each layer its module's own forward,
+* ``cats-lean``: ``cats`` with the lean layer forward (`cats.model.lean_layer`, the default),
+* ``cats-packed`` (``--pack``): ``cats`` with `cats.model.lean.pack_linears` (oneDNN-prepacked weights), and
+  ``cats-lean-packed``: both (what ``--pack-weights`` runs),
 * ``cats-compiled`` (``--compile``): ``cats`` with `cats.model.lean.compile_layers` (inductor; toggled on for
   its calls only).
 
@@ -58,10 +60,14 @@ def step_fns(model, context: torch.Tensor, k: int):
         hf_cache.crop(-k)
     fns["hf"] = hf
 
-    def ours(cache):
+    def ours(cache, lean=False):
         def step():
-            hidden = model.forward_layers(model.embed(ids), 0, model.num_layers, cache)
-            model.head(hidden)
+            model.lean = lean
+            try:
+                hidden = model.forward_layers(model.embed(ids), 0, model.num_layers, cache)
+                model.head(hidden)
+            finally:
+                model.lean = False
             cache.crop(past)
         return step
 
@@ -72,6 +78,7 @@ def step_fns(model, context: torch.Tensor, k: int):
     static = model.new_cache(capacity=past + 64)
     model.forward_layers(model.embed(context), 0, model.num_layers, static)
     fns["cats"] = ours(static)
+    fns["cats-lean"] = ours(static, lean=True)
     return fns
 
 
@@ -134,7 +141,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--compile", action="store_true", help="also time cats.model.lean.compile_layers")
-    parser.add_argument("--pack", action="store_true", help="also time cats.model.lean.pack_linears (bf16)")
+    parser.add_argument("--pack", action="store_true", help="also time cats.model.lean.pack_linears")
     parser.add_argument("--no-profile", action="store_true", help="skip the per-layer breakdown and the profiler")
     args = parser.parse_args()
     if args.threads:
@@ -175,13 +182,16 @@ def main() -> None:
                     else:
                         lean.PACKING["off"] = True
 
-                        def packed(step=fns["cats"]):
-                            lean.PACKING["off"] = False
-                            try:
-                                step()
-                            finally:
-                                lean.PACKING["off"] = True
-                        fns["cats-packed"] = packed
+                        def packed(step):
+                            def run():
+                                lean.PACKING["off"] = False
+                                try:
+                                    step()
+                                finally:
+                                    lean.PACKING["off"] = True
+                            return run
+                        fns["cats-packed"] = packed(fns["cats"])
+                        fns["cats-lean-packed"] = packed(fns["cats-lean"])
                 for fn in fns.values():
                     fn()  # warm
                 times = {name: [] for name in fns}

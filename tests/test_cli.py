@@ -40,7 +40,7 @@ def test_generate_streams_text_and_prints_json_last():
         (["--method", "early-exit", "--draft-layer", "9"], r"draft layer 9 is outside [1, 5)"),
         (["--chat"], "no chat template"),
         (["--dtype", "int3"], "unknown dtype"),
-        (["--pack-weights"], "prepacking is for bfloat16 weights"),
+        (["--pack-weights", "--dtype", "float16"], "prepacking is for bfloat16 and float32 weights"),
         (["--pack-weights", "--dtype", "bfloat16", "--memory-budget", "50%"], "memory budget does not plan for"),
     ],
 )

@@ -2,8 +2,9 @@
 instance ``forward`` is redirected: parameter names and objects do not change, so memory streaming and adapters keep
 working).
 
-* `pack_linears` (``--pack-weights``, bf16): the linears run on oneDNN-prepacked copies of their weights (same
-  outputs; the copies are extra memory, so it is refused under a memory budget, see `check_packing`).
+* `pack_linears` (``--pack-weights``, bf16 or float32): the linears run on oneDNN-prepacked copies of their weights
+  (bf16: the same outputs as aten's; float32: equal up to the last bits, see below; the copies are extra memory, so
+  it is refused under a memory budget, see `check_packing`).
 * `compile_layers` (API only; slower in every configuration measured, see docs/performance.md): `torch.compile`
   (inductor) of each layer's MLP and its two norms. All layers share one compiled graph per input shape (the
   parameters are graph inputs), so compiling costs seconds, not one compile per layer. Attention (rotary, the KV
@@ -99,13 +100,19 @@ def uncompile_layers(model) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Prepacked bf16 linears (oneDNN): the projections are ~2/3 of a layer's time, and aten's bf16 matmul reads the
-# weights at about half the speed of oneDNN's blocked layout on this kind of CPU. Outputs are the same
-# (measured max diff 0 on SmolLM2 shapes at M = 1 and 16); the price is a second, packed copy of each weight.
+# Prepacked linears (oneDNN): the projections are ~2/3 of a layer's time, and aten's bf16 matmul reads the
+# weights at about half the speed of oneDNN's blocked layout on this kind of CPU; aten's float32 matmul is 1.7x
+# slower at one row and 2.8x slower at 16 rows (docs/performance.md). bf16 outputs are the same as aten's (measured
+# max diff 0 on SmolLM2 shapes at M = 1 and 16); float32 outputs differ from aten's in the last bits (~1e-6: another
+# summation order), so a packed float32 model reproduces its own plain decoding, not transformers' bit for bit. The
+# price is a second, packed copy of each weight.
+
+PACKED_DTYPES = (torch.bfloat16, torch.float32)
 
 
 PACKING = {"off": False}  # set "off" to run packed linears eagerly (A/B timing in one process)
-_PACKED = WeakIdKeyDictionary()  # weight tensor -> ((data_ptr, version), packed copy); by identity, dropped with it
+_PACKED = WeakIdKeyDictionary()  # weight tensor -> ((data_ptr, version), packed copy), for weights outside a module
+# (a packed module keeps its copy in ``module.__dict__["_packed"]``, a fused group in its first module's "_fused")
 
 
 @contextlib.contextmanager
@@ -120,49 +127,67 @@ def packing_off():
         PACKING["off"] = saved
 
 
+def _weight_key(weight: torch.Tensor) -> tuple:
+    """What identifies a weight's contents: its storage and (outside inference mode) its version counter."""
+    try:
+        return weight.data_ptr(), weight._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return weight.data_ptr(), None
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+
 def packed_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(hidden, weight, bias)`` through a oneDNN-prepacked copy of ``weight`` (bf16), packed on first use
-    and again whenever the weight changes (loaded, trained, streamed)."""
-    if PACKING["off"] or weight.dtype != torch.bfloat16 or hidden.dtype != torch.bfloat16:
+    """``F.linear(hidden, weight, bias)`` through a oneDNN-prepacked copy of ``weight`` (bf16 or float32), packed on
+    first use and again whenever the weight changes (loaded, trained, streamed)."""
+    if PACKING["off"] or weight.dtype not in PACKED_DTYPES or hidden.dtype != weight.dtype:
         return nn.functional.linear(hidden, weight, bias)
-    key = (weight.data_ptr(), None if weight.is_inference() else weight._version)  # inference tensors: no counter
+    key = _weight_key(weight)
     entry = _PACKED.get(weight)
     if entry is None or entry[0] != key:
-        entry = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
-        _PACKED[weight] = entry
+        entry = _PACKED[weight] = (key, _pack(weight))
     return torch.ops.mkldnn._linear_pointwise(hidden, entry[1], bias, "none", [], "")
 
 
-_FUSED = WeakIdKeyDictionary()  # first weight of a fused group -> (keys, packed concatenated weight, bias or None)
-
-
 def is_packed(module: nn.Module) -> bool:
-    """Whether ``module`` (an ``nn.Linear``) runs through `packed_linear` (see `pack_linears`)."""
+    """Whether ``module`` (an ``nn.Linear``) runs through a packed copy of its weight (see `pack_linears`)."""
     return getattr(vars(module).get("forward"), "__func__", None) is _packed_linear_forward
 
 
 def fused_linear(hidden: torch.Tensor, modules) -> torch.Tensor | None:
     """The outputs of ``modules`` (``nn.Linear``s reading the same input, e.g. q, k and v) side by side, from one
     GEMM on a prepacked copy of their concatenated weights, when every one of them is packed (`pack_linears`) and
-    packing is on; None otherwise (the caller runs them one by one). The fused copy replaces their separate packed
-    copies (those are made on first use only) and is made again whenever one of the weights changes."""
-    if PACKING["off"] or hidden.dtype != torch.bfloat16 or not all(is_packed(module) for module in modules):
+    packing is on; None otherwise (the caller runs them one by one). The fused copy (kept by the first module)
+    replaces their separate packed copies (those are made on first use only) and is made again whenever one of the
+    weights changes. (Called for every layer of every forward: the checks are kept to plain dict lookups.)"""
+    if PACKING["off"]:
         return None
-    weights = [module.weight for module in modules]
-    key = tuple((w.data_ptr(), None if w.is_inference() else w._version) for w in weights)
-    entry = _FUSED.get(weights[0])
+    weights = [module._parameters["weight"] for module in modules]
+    key = [_weight_key(weight) for weight in weights]
+    entry = modules[0].__dict__.get("_fused")  # only packed modules get one (`unpack_linears` drops it)
     if entry is None or entry[0] != key:
+        if not all(is_packed(module) for module in modules) or hidden.dtype != weights[0].dtype:
+            return None
         bias = None
         if any(module.bias is not None for module in modules):
             bias = torch.cat([module.bias.detach() if module.bias is not None else
                               module.weight.new_zeros(module.out_features) for module in modules])
-        entry = (key, torch.ops.mkldnn._reorder_linear_weight(torch.cat([w.detach() for w in weights]), 1), bias)
-        _FUSED[weights[0]] = entry
+        entry = modules[0].__dict__["_fused"] = (key, _pack(torch.cat([w.detach() for w in weights])), bias)
     return torch.ops.mkldnn._linear_pointwise(hidden, entry[1], entry[2], "none", [], "")
 
 
 def _packed_linear_forward(module: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
-    return packed_linear(hidden, module.weight, module.bias)
+    """A packed module's ``forward``: its packed copy is kept in the module (cheaper to find than by weight)."""
+    weight, bias = module._parameters["weight"], module._parameters["bias"]
+    if PACKING["off"] or hidden.dtype != weight.dtype:
+        return nn.functional.linear(hidden, weight, bias)
+    key = _weight_key(weight)
+    entry = module.__dict__.get("_packed")
+    if entry is None or entry[0] != key:
+        entry = module.__dict__["_packed"] = (key, _pack(weight))
+    return torch.ops.mkldnn._linear_pointwise(hidden, entry[1], bias, "none", [], "")
 
 
 def pack_module(module: nn.Module) -> int:
@@ -179,18 +204,18 @@ def pack_module(module: nn.Module) -> int:
 
 def pack_available(dtype: torch.dtype) -> str | None:
     """None if prepacked linears can run for ``dtype`` here, else why not."""
-    if dtype != torch.bfloat16:
-        return f"prepacking is for bfloat16 weights, not {dtype}"
+    if dtype not in PACKED_DTYPES:
+        return f"prepacking is for bfloat16 and float32 weights, not {dtype}"
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return "this torch has no oneDNN linear"
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return "this CPU has no oneDNN bf16 support"
     return None
 
 
 def check_packing(dtype: torch.dtype, memory_budget) -> None:
-    """Refuse ``--pack-weights`` where it cannot work: a dtype other than bf16 (or no oneDNN bf16 here), or a memory
-    budget, whose plan does not count the packed copies."""
+    """Refuse ``--pack-weights`` where it cannot work: a dtype other than bf16 or float32 (or no oneDNN / no oneDNN
+    bf16 here), or a memory budget, whose plan does not count the packed copies."""
     from cats.errors import InvalidArgumentError
 
     if memory_budget is not None:
@@ -199,12 +224,12 @@ def check_packing(dtype: torch.dtype, memory_budget) -> None:
     reason = pack_available(dtype)
     if reason is not None:
         raise InvalidArgumentError(f"cannot pack the weights (--pack-weights): {reason}; use --dtype bfloat16 or "
-                                   "drop --pack-weights")
+                                   "float32, or drop --pack-weights")
 
 
 def pack_linears(model, head: bool = True) -> dict:
     """Route every ``nn.Linear`` of the resident decoder layers of ``model`` (and, with ``head``, its lm_head)
-    through a oneDNN-prepacked copy of its weight (bf16 only; the HF modules and their parameters stay as they
+    through a oneDNN-prepacked copy of its weight (bf16 or float32; the HF modules and their parameters stay as they
     are, the packed copies are extra memory: about the size of the packed weights). Adapters loaded onto the model
     pack their own block and head rows on first use (``model.packed``). Layers streamed under a memory budget are
     skipped (their weights come and go; a packed copy would defeat the budget).
@@ -226,7 +251,6 @@ def unpack_linears(model) -> None:
     for module in [*model.layers[: model.num_layers], model.hf_model.lm_head]:
         for inner in module.modules():
             if is_packed(inner):
-                inner.__dict__.pop("forward", None)
-                _PACKED.pop(inner.weight, None)
-                _FUSED.pop(inner.weight, None)
+                for name in ("forward", "_packed", "_fused"):
+                    inner.__dict__.pop(name, None)
     model.packed = False
