@@ -97,7 +97,20 @@ def test_cats_lean_environment_switch(monkeypatch):
     monkeypatch.setenv("CATS_LEAN", "0")
     assert not lean_default() and not tiny_model("llama").lean
     monkeypatch.setenv("CATS_LEAN", "1")
-    assert lean_default() and tiny_model("llama").lean
+    model = tiny_model("llama")
+    assert lean_default() and model.lean and not model.exact_attention
+    monkeypatch.setenv("CATS_LEAN", "exact")
+    model = tiny_model("llama")
+    assert model.lean and model.exact_attention
+
+
+def test_exact_attention_is_the_module_forward_bit_for_bit():
+    """With exact_attention the single-query step calls transformers' own attention: bit-identical logits."""
+    model = tiny_model("qwen2", seed=6)
+    model.exact_attention = True
+    (module_logits, module_kv), (lean_logits, lean_kv) = _both_ways(model, torch.tensor([7]), None)
+    assert torch.equal(lean_logits, module_logits)
+    assert all(torch.equal(k0, k1) and torch.equal(v0, v1) for (k0, v0), (k1, v1) in zip(module_kv, lean_kv))
 
 
 @torch.no_grad()

@@ -185,7 +185,8 @@ class Adapter(nn.Module):
             positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0).expand(hidden.shape[0], -1)
         rotary = model.rotary(hidden, positions, self.kind)
         if cache is not None and model.lean and not self.training and self._lean_block():
-            out = lean_layer_forward(self.block, hidden, attention_mask, rotary, cache.hf_cache)
+            out = lean_layer_forward(self.block, hidden, attention_mask, rotary, cache.hf_cache,
+                                     pack_single_query=not model.exact_attention)
         else:
             out = self.block(hidden, attention_mask=attention_mask, position_embeddings=rotary, position_ids=positions,
                              cache=cache.hf_cache if cache is not None else None, use_cache=cache is not None)

@@ -71,9 +71,18 @@ class TreeDrafter(EarlyExitDrafter):
         layers = list(range(self.layer))
         return layers + ([self.adapter.cache_layer] if self.adapter is not None else [])
 
-    def _run_nodes(self, nodes: list[_Node], indices: list[int], state: DecodeState, root_slot: int) -> torch.Tensor:
+    def _draft_logits_rows(self, hidden: torch.Tensor, cache, position_ids: torch.Tensor | None = None,
+                           attend: torch.Tensor | None = None) -> torch.Tensor:
+        """Draft logits ``[T, V_d]`` over the draft's own vocabulary (the adapter's reduced one, else the whole) for
+        T tokens whose layer-L states are ``hidden``; the adapter appends their slots as in `node_logits`."""
+        if self.adapter is None:
+            return self.model.head(hidden[0])
+        return self.adapter.logits(self.adapter(hidden, cache, position_ids, attend=attend)[0])
+
+    def _run_nodes(self, nodes: list[_Node], indices: list[int], state: DecodeState, root_slot: int,
+                   full: bool = True) -> torch.Tensor:
         """Run the draft layers (and the adapter) on pool nodes ``indices`` at once; record slots and states; return
-        their full-vocabulary draft logits ``[m, V]``."""
+        their draft logits ``[m, V]`` (``full=False``: ``[m, V_d]`` over the draft vocabulary)."""
         model, cache = self.model, state.cache
         past, committed = cache.length(0), state.committed_length
         attend = torch.zeros(len(indices), past + len(indices), dtype=torch.bool)
@@ -90,6 +99,8 @@ class TreeDrafter(EarlyExitDrafter):
         hidden = model.forward_layers(model.embed(tokens), 0, self.layer, cache, position_ids=positions, attend=attend)
         for row, index in enumerate(indices):
             nodes[index].slot, nodes[index].hidden = past + row, hidden[0, row]
+        if not full:
+            return self._draft_logits_rows(hidden, cache, positions, attend)
         return self.node_logits(hidden, cache, positions, attend)
 
     def propose(self, state: DecodeState, max_tokens: int) -> Proposal:
@@ -101,18 +112,18 @@ class TreeDrafter(EarlyExitDrafter):
         model, cache, committed = self.model, state.cache, state.committed_length
         # depth 0: x itself
         root = model.forward_layers(model.embed(torch.tensor([state.token_ids[-1]])), 0, self.layer, cache)
-        tables = [self.node_logits(root, cache)]  # draft logits of expanded nodes, one row each; row 0 = x
+        # draft logits of expanded nodes over the draft vocabulary, one row each; row 0 = x
+        tables = [self._draft_logits_rows(root, cache)]
         nodes: list[_Node] = []
-        frontier = self._children(nodes, tables[0][0], parent=-1, parent_score=0.0, depth=1, parent_row=0)
+        frontier = self._expand(nodes, tables[0], [-1], depth=1, first_row=0)
         for depth in range(1, max_depth):
             frontier = sorted(frontier, key=lambda i: (-nodes[i].score, i))[: self.tree_topk]
             if self.threshold and math.exp(nodes[frontier[0]].score) < self.threshold:
                 break
-            logits = self._run_nodes(nodes, frontier, state, root_slot=committed)
+            logits = self._run_nodes(nodes, frontier, state, root_slot=committed, full=False)
             first_row = sum(t.shape[0] for t in tables)
             tables.append(logits)
-            frontier = [child for row, index in enumerate(frontier)
-                        for child in self._children(nodes, logits[row], index, nodes[index].score, depth + 1, first_row + row)]
+            frontier = self._expand(nodes, logits, frontier, depth + 1, first_row)
         # rerank: the best `total_tokens` nodes (a child never outscores its parent, so the set is ancestor-closed)
         chosen = sorted(sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))[: self.total_tokens])
         expanded = sorted((i for i in chosen if nodes[i].slot is not None), key=lambda i: nodes[i].slot)
@@ -122,9 +133,9 @@ class TreeDrafter(EarlyExitDrafter):
         for new_slot, index in enumerate(expanded):
             nodes[index].slot = committed + 1 + new_slot
         if leaves:
-            self._run_nodes(nodes, leaves, state, root_slot=committed)
+            self._run_nodes(nodes, leaves, state, root_slot=committed, full=False)
         order = expanded + leaves  # parents precede children: leaves hang below expanded nodes
-        return self._proposal(nodes, order, tables, root)
+        return self._proposal(nodes, order, tables, root, reduced=True)
 
     def _propose_drawn(self, state: DecodeState, max_depth: int) -> Proposal:
         """The tree for speculative sampling (module docstring): drawn children, verified = expanded nodes."""
@@ -153,15 +164,19 @@ class TreeDrafter(EarlyExitDrafter):
         return self._proposal(nodes, verified, tables, root, draws)
 
     def _proposal(self, nodes: list[_Node], order: list[int], tables: list[torch.Tensor], root: torch.Tensor,
-                  draws: list[tuple[int, list[int], torch.Tensor]] | None = None) -> Proposal:
+                  draws: list[tuple[int, list[int], torch.Tensor]] | None = None, reduced: bool = False) -> Proposal:
         """The proposal of the pool nodes ``order`` (parents before children) in that order; with ``draws`` (the
-        drawn tree), how each parent's children were drawn, in proposal positions."""
+        drawn tree), how each parent's children were drawn, in proposal positions. ``reduced``: the tables hold
+        logits over the draft vocabulary (widened to the whole vocabulary here, for the proposal's rows only)."""
         position = {index: i for i, index in enumerate(order)}
-        table = torch.cat(tables)
+        logits = torch.cat(tables)[torch.tensor([nodes[i].parent_row for i in order], dtype=torch.long)]
+        if reduced and self.adapter is not None and self.adapter.vocab_ids is not None:
+            full = logits.new_full((logits.shape[0], self.model.vocab_size), float("-inf"))
+            logits = full.index_copy_(-1, self.adapter.vocab_ids.to(logits.device), logits)
         return Proposal(
             tokens=torch.tensor([nodes[i].token for i in order], dtype=torch.long),
             parents=torch.tensor([position[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in order]),
-            logits=table[torch.tensor([nodes[i].parent_row for i in order])],
+            logits=logits,
             hidden=torch.cat([root, torch.stack([nodes[i].hidden for i in order])[None]], dim=1),
             hidden_layer=self.layer,
             draws=None if draws is None else [
@@ -182,15 +197,22 @@ class TreeDrafter(EarlyExitDrafter):
         draws.append((parent, added, q))
         return added
 
-    def _children(self, nodes: list[_Node], logits: torch.Tensor, parent: int, parent_score: float, depth: int,
-                  parent_row: int) -> list[int]:
-        """Add the ``tree_topk`` most likely children of a node to the pool; return their pool indices."""
+    def _expand(self, nodes: list[_Node], logits: torch.Tensor, parents: list[int], depth: int,
+                first_row: int) -> list[int]:
+        """Add the ``tree_topk`` most likely children of each of ``parents`` (pool indices, -1 = x; their draft
+        logits over the draft vocabulary are the rows of ``logits``, table rows ``first_row ..``) to the pool, in
+        one batched log-softmax and top-k; return the children's pool indices."""
         log_probs = torch.log_softmax(logits.float(), -1)
-        top = log_probs.topk(min(self.tree_topk, int(torch.isfinite(log_probs).sum())))
+        top = log_probs.topk(min(self.tree_topk, log_probs.shape[-1]), dim=-1)
+        tokens = top.indices if self.adapter is None else self.adapter.token_ids(top.indices)
         added = []
-        for log_prob, token in zip(top.values.tolist(), top.indices.tolist()):
-            nodes.append(_Node(token, parent, depth, parent_score + log_prob, parent_row))
-            added.append(len(nodes) - 1)
+        for row, (parent, values, ids) in enumerate(zip(parents, top.values.tolist(), tokens.tolist())):
+            parent_score = nodes[parent].score if parent >= 0 else 0.0
+            for log_prob, token in zip(values, ids):
+                if log_prob == float("-inf"):  # no probability left (e.g. a soft-capped head): not a candidate
+                    continue
+                nodes.append(_Node(token, parent, depth, parent_score + log_prob, first_row + row))
+                added.append(len(nodes) - 1)
         return added
 
     def describe(self) -> dict:

@@ -14,7 +14,7 @@ import torch
 
 from cats.errors import UnsupportedArchitectureError
 from cats.model.cache import KVCache
-from cats.model.lean_layer import lean_default, lean_layer_forward, lean_unsupported
+from cats.model.lean_layer import exact_attention_default, lean_default, lean_layer_forward, lean_unsupported
 
 # model_type -> family name shown to users. All of them keep their decoder in `model.model.layers`, the rotary
 # embedding in `model.model.rotary_emb`, the final norm in `model.model.norm` and the head in `model.lm_head`.
@@ -91,6 +91,7 @@ class LayeredModel:
         # the lean layer forward (`cats.model.lean_layer`) where the layer class has one; set False for the modules'
         # own forward (default: on unless CATS_LEAN=0)
         self.lean = lean_default()
+        self.exact_attention = exact_attention_default()  # lean, but transformers' single-query attention (CATS_LEAN=exact)
         self._lean_layers = [lean_unsupported(layer) is None for layer in self.layers[: self.num_layers]]
 
     # ------------------------------------------------------------------ loading
@@ -218,7 +219,7 @@ class LayeredModel:
         and `lean` is on, else the module's own forward. Callers account for the slots (`KVCache.record`)."""
         layer = self.layers[i]
         if self.lean and self._lean_layers[i]:
-            return lean_layer_forward(layer, hidden, mask, rotary, hf_cache)
+            return lean_layer_forward(layer, hidden, mask, rotary, hf_cache, not self.exact_attention)
         out = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids,
                     cache=hf_cache, use_cache=True)
         return out[0] if isinstance(out, tuple) else out

@@ -14,12 +14,16 @@ differs from the module's ``forward`` only in how the work is grouped:
 * **q and k rotated in one pass** when they come out of one fused GEMM;
 * the KV cache write goes straight to the layer's cache, and no attention weights or unused outputs are built.
 
-Outputs: bit-identical to the module's forward in bfloat16 on SmolLM2 (measured: ``benchmarks/forward_profile.py``);
-in float32/float64 the packed single-query attention may round differently in the last bits. Every method runs on
-the same forward, so speculative decoding still reproduces plain greedy decoding token for token (the lossless
-tests run on this path; transformers' own ``generate`` never does, so the references stay independent).
+Outputs: everything but the packed single-query attention is bit-identical to the module's forward (SmolLM2 bf16:
+prefill, one-token and 16-token forwards). The packed single-query attention computes the same attention but rounds
+differently at some steps: in float32 no greedy answer changed (8 MT-Bench answers x 96 tokens, all equal to
+transformers'), in bf16 4 of those 8 answers differ from transformers' bf16 greedy from some token on.
+``CATS_LEAN=exact`` (or ``LayeredModel.exact_attention = True``) keeps transformers' attention call there: the
+output is then transformers' bf16 greedy output token for token, at ~1.5 ms more per SmolLM2 step. Every method runs
+on the same forward, so speculative decoding reproduces plain greedy decoding token for token either way (the
+lossless tests run on this path; transformers' own ``generate`` never does, so the references stay independent).
 
-`LayeredModel.lean` switches it (default on; ``CATS_LEAN=0`` in the environment turns it off for a process).
+`LayeredModel.lean` switches the whole forward (default on; ``CATS_LEAN=0`` in the environment turns it off).
 """
 
 from __future__ import annotations
@@ -40,6 +44,13 @@ ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 def lean_default() -> bool:
     """Whether new models run the lean forward: yes, unless ``CATS_LEAN`` is ``0``/``false``/``off``."""
     return os.environ.get("CATS_LEAN", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def exact_attention_default() -> bool:
+    """Whether the lean forward keeps transformers' single-query attention (``CATS_LEAN=exact``): slower, but bf16
+    greedy output then equals transformers' token for token (the packed form rounds differently in bf16 at some
+    steps: 4 of 8 MT-Bench answers of 96 tokens differed from transformers' bf16 greedy, none in float32)."""
+    return os.environ.get("CATS_LEAN", "1").strip().lower() == "exact"
 
 
 def lean_unsupported(layer: nn.Module) -> str | None:
@@ -122,10 +133,12 @@ def _projections(layer: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def lean_layer_forward(layer: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
-                       position_embeddings: tuple[torch.Tensor, torch.Tensor], cache) -> torch.Tensor:
+                       position_embeddings: tuple[torch.Tensor, torch.Tensor], cache,
+                       pack_single_query: bool = True) -> torch.Tensor:
     """One decoder layer (see the module docstring) on ``hidden`` ``[B, T, H]``; appends the T tokens' K/V to
     ``cache`` (a transformers cache) at the layer's index. ``attention_mask`` is the additive float mask
-    ``[B, 1, T, P + T]`` or None (every slot visible), ``position_embeddings`` the model's rotary (cos, sin)."""
+    ``[B, 1, T, P + T]`` or None (every slot visible), ``position_embeddings`` the model's rotary (cos, sin).
+    ``pack_single_query=False`` keeps transformers' own attention call for one query too (its exact rounding)."""
     attention, mlp = layer.self_attn, layer.mlp
     batch, length, _ = hidden.shape
     dim = attention.head_dim
@@ -152,7 +165,7 @@ def lean_layer_forward(layer: nn.Module, hidden: torch.Tensor, attention_mask: t
     key, value = cache.update(key, value, attention.layer_idx)
     groups = query.shape[1] // key.shape[1]
     implementation = attention.config._attn_implementation
-    if length == 1 and attention_mask is None and implementation == "sdpa":
+    if pack_single_query and length == 1 and attention_mask is None and implementation == "sdpa":
         # one query: its heads packed per KV head, [B, kv_heads, groups, D] (transformers' pack_gqa)
         out = nn.functional.scaled_dot_product_attention(query.reshape(batch, key.shape[1], groups, dim), key, value,
                                                          scale=attention.scaling)
