@@ -5,21 +5,23 @@ forward runs a Llama, Mistral, Qwen2, Qwen3 or Phi3 decoder layer from the layer
 (norms, projections, activation, the model's attention function: the HF modules stay the source of truth) and
 differs from the module's ``forward`` only in how the work is grouped:
 
-* **one attention call per layer without GQA overhead at one query**: a single query token's heads are packed per
-  KV head (``[B, kv_heads, groups, D]``), as transformers' own ``pack_gqa`` does, instead of SDPA's ``enable_gqa``
-  path, which costs ~3-7x more on this CPU for one token;
+* **attention without GQA overhead for few queries**: up to 8 query tokens have their heads packed per KV head
+  (``[B, kv_heads, groups * T, D]``, the mask's rows repeated per group), as transformers' own ``pack_gqa`` does
+  for one token when it does not take SDPA's ``enable_gqa`` path, which on this CPU costs 3-7x more for one token
+  (SmolLM2 bf16, 300 cached tokens: a one-token forward 24.4 against 29.6 ms, 2-8 tokens ~2.7 ms less);
 * **fused projections on packed weights**: with ``--pack-weights`` (`cats.model.lean.pack_linears`) q, k and v run
   as one prepacked GEMM, and so do gate and up (one packed copy of the concatenated weights replaces the separate
   packed copies); without packing each projection is its module's own call;
 * **q and k rotated in one pass** when they come out of one fused GEMM;
 * the KV cache write goes straight to the layer's cache, and no attention weights or unused outputs are built.
 
-Outputs: everything but the packed single-query attention is bit-identical to the module's forward (SmolLM2 bf16:
-prefill, one-token and 16-token forwards). The packed single-query attention computes the same attention but rounds
-differently at some steps: in float32 no greedy answer changed (8 MT-Bench answers x 96 tokens, all equal to
-transformers'), in bf16 4 of those 8 answers differ from transformers' bf16 greedy from some token on.
-``CATS_LEAN=exact`` (or ``LayeredModel.exact_attention = True``) keeps transformers' attention call there: the
-output is then transformers' bf16 greedy output token for token, at ~1.5 ms more per SmolLM2 step. Every method runs
+Outputs: everything but the packed few-query attention is bit-identical to the module's forward (SmolLM2 bf16:
+prefill, one-token and 16-token forwards). The packed attention computes the same attention but rounds differently
+at some steps (SmolLM2 bf16: with one and two queries; four and eight were bit-identical). In float32 no greedy
+answer changed (8 MT-Bench answers x 96 tokens, all equal to transformers'); in bf16 4 of those 8 answers differ
+from transformers' bf16 greedy from some token on. ``CATS_LEAN=exact`` (or ``LayeredModel.exact_attention = True``)
+keeps transformers' attention call there: the output is then transformers' bf16 greedy output token for token, at
+1.5-5 ms more per SmolLM2 step. Every method runs
 on the same forward, so speculative decoding reproduces plain greedy decoding token for token either way (the
 lossless tests run on this path; transformers' own ``generate`` never does, so the references stay independent).
 
@@ -47,9 +49,9 @@ def lean_default() -> bool:
 
 
 def exact_attention_default() -> bool:
-    """Whether the lean forward keeps transformers' single-query attention (``CATS_LEAN=exact``): slower, but bf16
-    greedy output then equals transformers' token for token (the packed form rounds differently in bf16 at some
-    steps: 4 of 8 MT-Bench answers of 96 tokens differed from transformers' bf16 greedy, none in float32)."""
+    """Whether the lean forward keeps transformers' attention call for few queries (``CATS_LEAN=exact``): slower,
+    but bf16 greedy output then equals transformers' token for token (the packed form rounds differently in bf16 at
+    some steps: 4 of 8 MT-Bench answers of 96 tokens differed from transformers' bf16 greedy, none in float32)."""
     return os.environ.get("CATS_LEAN", "1").strip().lower() == "exact"
 
 
@@ -102,6 +104,22 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return torch.cat([part * cos + part.roll(rotary // 2, -1) * signed_sin, rest], dim=-1)
 
 
+PACKED_QUERY_LIMIT = 8  # up to this many queries the packed attention is cheaper (bf16: 36 vs 66 us at 4; equal at 16)
+_MASK_MEMO: list = [(None, 0, None)]  # [(mask, groups, its rows repeated per group)], as for the rotary parts
+
+
+def _grouped_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """The additive mask ``[B, 1, T, S]`` with its rows repeated per query group, ``[B, 1, groups * T, S]`` (row
+    ``g * T + t`` = row t), the layout of a packed query; built once per forward (memoised on the mask's identity)."""
+    entry = _MASK_MEMO[0]
+    if entry[0] is mask and entry[1] == groups:
+        return entry[2]
+    batch, _, length, size = mask.shape
+    grouped = mask[:, :, None].expand(batch, 1, groups, length, size).reshape(batch, 1, groups * length, size)
+    _MASK_MEMO[0] = (mask, groups, grouped)
+    return grouped
+
+
 # RMSNorm classes whose forward is exactly Llama's: w * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype)
 LEAN_NORM_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm"})
 
@@ -138,7 +156,7 @@ def lean_layer_forward(layer: nn.Module, hidden: torch.Tensor, attention_mask: t
     """One decoder layer (see the module docstring) on ``hidden`` ``[B, T, H]``; appends the T tokens' K/V to
     ``cache`` (a transformers cache) at the layer's index. ``attention_mask`` is the additive float mask
     ``[B, 1, T, P + T]`` or None (every slot visible), ``position_embeddings`` the model's rotary (cos, sin).
-    ``pack_single_query=False`` keeps transformers' own attention call for one query too (its exact rounding)."""
+    ``pack_single_query=False`` keeps transformers' own attention call for few queries too (its exact rounding)."""
     attention, mlp = layer.self_attn, layer.mlp
     batch, length, _ = hidden.shape
     dim = attention.head_dim
@@ -165,11 +183,15 @@ def lean_layer_forward(layer: nn.Module, hidden: torch.Tensor, attention_mask: t
     key, value = cache.update(key, value, attention.layer_idx)
     groups = query.shape[1] // key.shape[1]
     implementation = attention.config._attn_implementation
-    if pack_single_query and length == 1 and attention_mask is None and implementation == "sdpa":
-        # one query: its heads packed per KV head, [B, kv_heads, groups, D] (transformers' pack_gqa)
-        out = nn.functional.scaled_dot_product_attention(query.reshape(batch, key.shape[1], groups, dim), key, value,
-                                                         scale=attention.scaling)
-        out = out.reshape(batch, 1, -1)
+    if (pack_single_query and implementation == "sdpa" and groups > 1 and length <= PACKED_QUERY_LIMIT
+            and (attention_mask is not None or length == 1)):
+        # few queries: their heads packed per KV head, [B, kv_heads, groups * T, D] (transformers' pack_gqa, which it
+        # uses only without enable_gqa), the mask's rows repeated per group
+        packed_mask = None if attention_mask is None else _grouped_mask(attention_mask, groups)
+        out = nn.functional.scaled_dot_product_attention(
+            query.reshape(batch, key.shape[1], groups * length, dim), key, value, attn_mask=packed_mask,
+            scale=attention.scaling)
+        out = out.reshape(batch, query.shape[1], length, dim).transpose(1, 2).reshape(batch, length, -1)
     else:
         attend = (sys.modules[type(attention).__module__].eager_attention_forward if implementation == "eager"
                   else ALL_ATTENTION_FUNCTIONS[implementation])  # what the module itself would call
