@@ -186,7 +186,7 @@ class Adapter(nn.Module):
         rotary = model.rotary(hidden, positions, self.kind)
         if cache is not None and model.lean and not self.training and self._lean_block():
             out = lean_layer_forward(self.block, hidden, attention_mask, rotary, cache.hf_cache,
-                                     pack_single_query=not model.exact_attention)
+                                     pack_queries=not model.exact_attention)
         else:
             out = self.block(hidden, attention_mask=attention_mask, position_embeddings=rotary, position_ids=positions,
                              cache=cache.hf_cache if cache is not None else None, use_cache=cache is not None)
@@ -226,7 +226,11 @@ class Adapter(nn.Module):
 
     def full_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Logits over the target's whole vocabulary ``[..., V]`` (-inf outside a reduced vocabulary: q = 0 there)."""
-        logits = self.logits(normed)
+        return self.widen(self.logits(normed))
+
+    def widen(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the adapter's vocabulary ``[..., V_d]`` placed in the target's whole vocabulary ``[..., V]``
+        (-inf elsewhere); unchanged without a reduced vocabulary."""
         if self.vocab_ids is None:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.target.vocab_size), float("-inf"))

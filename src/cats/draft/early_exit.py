@@ -122,9 +122,15 @@ class EarlyExitDrafter(Drafter):
                     attend: torch.Tensor | None = None) -> torch.Tensor:
         """Full-vocabulary draft logits ``[T, V]`` for T tokens whose layer-L states are ``hidden`` (``[1, T, H]``);
         the adapter (if any) appends their slots to its cache layer, with the same positions and visibility."""
+        rows = self.draft_rows(hidden, cache, position_ids, attend)
+        return rows if self.adapter is None else self.adapter.widen(rows)
+
+    def draft_rows(self, hidden: torch.Tensor, cache, position_ids: torch.Tensor | None = None,
+                   attend: torch.Tensor | None = None) -> torch.Tensor:
+        """`node_logits` over the draft's own vocabulary, ``[T, V_d]`` (the adapter's reduced one, else the whole)."""
         if self.adapter is None:
             return self.model.head(hidden[0])
-        return self.adapter.full_logits(self.adapter(hidden, cache, position_ids, attend=attend)[0])
+        return self.adapter.logits(self.adapter(hidden, cache, position_ids, attend=attend)[0])
 
     def propose(self, state: DecodeState, max_tokens: int) -> Proposal:
         count = min(self.num_tokens, max_tokens)

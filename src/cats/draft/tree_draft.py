@@ -71,14 +71,6 @@ class TreeDrafter(EarlyExitDrafter):
         layers = list(range(self.layer))
         return layers + ([self.adapter.cache_layer] if self.adapter is not None else [])
 
-    def _draft_logits_rows(self, hidden: torch.Tensor, cache, position_ids: torch.Tensor | None = None,
-                           attend: torch.Tensor | None = None) -> torch.Tensor:
-        """Draft logits ``[T, V_d]`` over the draft's own vocabulary (the adapter's reduced one, else the whole) for
-        T tokens whose layer-L states are ``hidden``; the adapter appends their slots as in `node_logits`."""
-        if self.adapter is None:
-            return self.model.head(hidden[0])
-        return self.adapter.logits(self.adapter(hidden, cache, position_ids, attend=attend)[0])
-
     def _run_nodes(self, nodes: list[_Node], indices: list[int], state: DecodeState, root_slot: int,
                    full: bool = True) -> torch.Tensor:
         """Run the draft layers (and the adapter) on pool nodes ``indices`` at once; record slots and states; return
@@ -99,9 +91,8 @@ class TreeDrafter(EarlyExitDrafter):
         hidden = model.forward_layers(model.embed(tokens), 0, self.layer, cache, position_ids=positions, attend=attend)
         for row, index in enumerate(indices):
             nodes[index].slot, nodes[index].hidden = past + row, hidden[0, row]
-        if not full:
-            return self._draft_logits_rows(hidden, cache, positions, attend)
-        return self.node_logits(hidden, cache, positions, attend)
+        rows = self.draft_rows if not full else self.node_logits
+        return rows(hidden, cache, positions, attend)
 
     def propose(self, state: DecodeState, max_tokens: int) -> Proposal:
         max_depth = min(self.depth, max_tokens)
@@ -113,7 +104,7 @@ class TreeDrafter(EarlyExitDrafter):
         # depth 0: x itself
         root = model.forward_layers(model.embed(torch.tensor([state.token_ids[-1]])), 0, self.layer, cache)
         # draft logits of expanded nodes over the draft vocabulary, one row each; row 0 = x
-        tables = [self._draft_logits_rows(root, cache)]
+        tables = [self.draft_rows(root, cache)]
         nodes: list[_Node] = []
         frontier = self._expand(nodes, tables[0], [-1], depth=1, first_row=0)
         for depth in range(1, max_depth):
@@ -170,9 +161,8 @@ class TreeDrafter(EarlyExitDrafter):
         logits over the draft vocabulary (widened to the whole vocabulary here, for the proposal's rows only)."""
         position = {index: i for i, index in enumerate(order)}
         logits = torch.cat(tables)[torch.tensor([nodes[i].parent_row for i in order], dtype=torch.long)]
-        if reduced and self.adapter is not None and self.adapter.vocab_ids is not None:
-            full = logits.new_full((logits.shape[0], self.model.vocab_size), float("-inf"))
-            logits = full.index_copy_(-1, self.adapter.vocab_ids.to(logits.device), logits)
+        if reduced and self.adapter is not None:
+            logits = self.adapter.widen(logits)
         return Proposal(
             tokens=torch.tensor([nodes[i].token for i in order], dtype=torch.long),
             parents=torch.tensor([position[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in order]),

@@ -139,16 +139,22 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
 
+def _packed_copy(store, slot, weight: torch.Tensor) -> torch.Tensor:
+    """The packed copy of ``weight`` kept in ``store[slot]`` (``_PACKED`` by weight, or a module's ``__dict__``),
+    made on first use and again whenever the weight changed."""
+    key = _weight_key(weight)
+    entry = store.get(slot)
+    if entry is None or entry[0] != key:
+        entry = store[slot] = (key, _pack(weight))
+    return entry[1]
+
+
 def packed_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(hidden, weight, bias)`` through a oneDNN-prepacked copy of ``weight`` (bf16 or float32), packed on
     first use and again whenever the weight changes (loaded, trained, streamed)."""
     if PACKING["off"] or weight.dtype not in PACKED_DTYPES or hidden.dtype != weight.dtype:
         return nn.functional.linear(hidden, weight, bias)
-    key = _weight_key(weight)
-    entry = _PACKED.get(weight)
-    if entry is None or entry[0] != key:
-        entry = _PACKED[weight] = (key, _pack(weight))
-    return torch.ops.mkldnn._linear_pointwise(hidden, entry[1], bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(hidden, _packed_copy(_PACKED, weight, weight), bias, "none", [], "")
 
 
 def is_packed(module: nn.Module) -> bool:
@@ -183,11 +189,8 @@ def _packed_linear_forward(module: nn.Linear, hidden: torch.Tensor) -> torch.Ten
     weight, bias = module._parameters["weight"], module._parameters["bias"]
     if PACKING["off"] or hidden.dtype != weight.dtype:
         return nn.functional.linear(hidden, weight, bias)
-    key = _weight_key(weight)
-    entry = module.__dict__.get("_packed")
-    if entry is None or entry[0] != key:
-        entry = module.__dict__["_packed"] = (key, _pack(weight))
-    return torch.ops.mkldnn._linear_pointwise(hidden, entry[1], bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(hidden, _packed_copy(module.__dict__, "_packed", weight), bias, "none",
+                                              [], "")
 
 
 def pack_module(module: nn.Module) -> int:
@@ -198,7 +201,7 @@ def pack_module(module: nn.Module) -> int:
             continue
         if "forward" not in vars(inner):
             inner.forward = types.MethodType(_packed_linear_forward, inner)
-        count += getattr(vars(inner)["forward"], "__func__", None) is _packed_linear_forward
+        count += is_packed(inner)
     return count
 
 

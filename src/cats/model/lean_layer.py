@@ -37,6 +37,8 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from cats.model.lean import fused_linear
+
 # decoder layer classes whose forward is exactly: x + attn(input_layernorm(x)); x + mlp(post_attention_layernorm(x))
 LEAN_LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
                                 "Phi3DecoderLayer"})
@@ -130,19 +132,22 @@ def _norm(norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     if type(norm).__name__ not in LEAN_NORM_CLASSES:
         return norm(hidden)
     x = hidden.to(torch.float32)
-    x = x.mul_(torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(norm.variance_epsilon))) if x is not hidden else \
-        x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(norm.variance_epsilon))
+    scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(norm.variance_epsilon))
+    x = x * scale if x is hidden else x.mul_(scale)  # in place only on the float32 copy, never on the input
     return norm.weight * x.to(hidden.dtype)
 
 
-def _projections(layer: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """``(qkv [B, T, (Hq + 2 Hk) D], q width, k width)``: one fused GEMM where possible, else three module calls."""
-    from cats.model.lean import fused_linear
+def _projections(layer: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor | None, int, int]:
+    """``(qkv [B, T, (Hq + 2 Hk) D], q width, k width)`` from one GEMM (Phi3's fused qkv_proj, or packed q/k/v fused
+    by `fused_linear`); ``(None, 0, 0)`` where q, k and v must run as their own modules.
 
+    (Submodules are looked up in ``_modules``: ``hasattr`` on a missing one raises inside ``nn.Module`` and costs
+    ~2 µs, per layer and forward.)"""
     attention = layer.self_attn
-    if hasattr(attention, "qkv_proj"):  # Phi3: fused in the checkpoint
+    qkv_proj = attention._modules.get("qkv_proj")
+    if qkv_proj is not None:  # Phi3: fused in the checkpoint
         q_width = attention.config.num_attention_heads * attention.head_dim
-        return attention.qkv_proj(hidden), q_width, attention.num_key_value_heads * attention.head_dim
+        return qkv_proj(hidden), q_width, attention.num_key_value_heads * attention.head_dim
     parts = (attention.q_proj, attention.k_proj, attention.v_proj)
     fused = fused_linear(hidden, parts)
     if fused is None:
@@ -152,18 +157,18 @@ def _projections(layer: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, 
 
 def lean_layer_forward(layer: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
                        position_embeddings: tuple[torch.Tensor, torch.Tensor], cache,
-                       pack_single_query: bool = True) -> torch.Tensor:
+                       pack_queries: bool = True) -> torch.Tensor:
     """One decoder layer (see the module docstring) on ``hidden`` ``[B, T, H]``; appends the T tokens' K/V to
     ``cache`` (a transformers cache) at the layer's index. ``attention_mask`` is the additive float mask
     ``[B, 1, T, P + T]`` or None (every slot visible), ``position_embeddings`` the model's rotary (cos, sin).
-    ``pack_single_query=False`` keeps transformers' own attention call for few queries too (its exact rounding)."""
+    ``pack_queries=False`` keeps transformers' own attention call for few queries too (its exact rounding)."""
     attention, mlp = layer.self_attn, layer.mlp
     batch, length, _ = hidden.shape
     dim = attention.head_dim
     normed = _norm(layer.input_layernorm, hidden)
     qkv, q_width, k_width = _projections(layer, normed)
     cos, sin = _rotary_parts(*position_embeddings)
-    q_norm = getattr(attention, "q_norm", None)  # Qwen3: per-head RMSNorm of q and k before the rotary embedding
+    q_norm = attention._modules.get("q_norm")  # Qwen3: per-head RMSNorm of q and k before the rotary embedding
     if qkv is not None and q_norm is None:  # q and k side by side: rotate them in one pass
         query_key = qkv[..., : q_width + k_width].view(batch, length, -1, dim).transpose(1, 2)
         query_key = _rotate(query_key, cos, sin)
@@ -183,7 +188,7 @@ def lean_layer_forward(layer: nn.Module, hidden: torch.Tensor, attention_mask: t
     key, value = cache.update(key, value, attention.layer_idx)
     groups = query.shape[1] // key.shape[1]
     implementation = attention.config._attn_implementation
-    if (pack_single_query and implementation == "sdpa" and groups > 1 and length <= PACKED_QUERY_LIMIT
+    if (pack_queries and implementation == "sdpa" and groups > 1 and length <= PACKED_QUERY_LIMIT
             and (attention_mask is not None or length == 1)):
         # few queries: their heads packed per KV head, [B, kv_heads, groups * T, D] (transformers' pack_gqa, which it
         # uses only without enable_gqa), the mask's rows repeated per group
@@ -195,17 +200,16 @@ def lean_layer_forward(layer: nn.Module, hidden: torch.Tensor, attention_mask: t
     else:
         attend = (sys.modules[type(attention).__module__].eager_attention_forward if implementation == "eager"
                   else ALL_ATTENTION_FUNCTIONS[implementation])  # what the module itself would call
-        out, _ = attend(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling,
-                        sliding_window=getattr(attention, "sliding_window", None))
+        # (no sliding_window argument: the mask carries the window, and sdpa and eager attention ignore it)
+        out, _ = attend(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling)
         out = out.reshape(batch, length, -1)
     hidden = hidden + attention.o_proj(out)
     normed = _norm(layer.post_attention_layernorm, hidden)
-    if hasattr(mlp, "gate_up_proj"):  # Phi3
-        gate, up = mlp.gate_up_proj(normed).chunk(2, dim=-1)
+    gate_up_proj = mlp._modules.get("gate_up_proj")
+    if gate_up_proj is not None:  # Phi3
+        gate, up = gate_up_proj(normed).chunk(2, dim=-1)
         activation = mlp.activation_fn
     else:
-        from cats.model.lean import fused_linear
-
         fused = fused_linear(normed, (mlp.gate_proj, mlp.up_proj))
         gate, up = fused.chunk(2, dim=-1) if fused is not None else (mlp.gate_proj(normed), mlp.up_proj(normed))
         activation = mlp.act_fn
