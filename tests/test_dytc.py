@@ -6,13 +6,16 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from cats.draft import LayerSkipDrafter, PromptLookupDrafter, SkipSet, make_drafter
 from cats.draft.base import DecodeState, Drafter, Proposal
 from cats.draft.dytc import (AcceptanceEstimate, DraftOption, DyTCDrafter, LatencyModel, WindowedAverage,
-                             expected_accepted)
+                             expected_accepted, match_class)
+from cats.draft.hindsight import TREE_SIZES, HindsightRecord, HindsightYield, VerifyCost, best_cut
+from cats.draft.prompt_lookup import LookupMatch
 from cats.errors import InvalidArgumentError
 from cats.generate import GenerationConfig, Generator
 from tests.conftest import FAMILIES, VOCAB, hf_greedy, tiny_model
@@ -53,6 +56,74 @@ def test_recursive_least_squares_recovers_a_linear_cost():
     for _ in range(1000):
         constant.observe(3, 0.013)  # one n only: the slope keeps the prior shape; no wind-up
     assert constant.predict(3) == pytest.approx(0.013, rel=1e-3) and constant.coefficients()[1] > 0
+
+
+def test_verify_cost_learns_a_piecewise_cost_with_a_context_term():
+    """Flat up to 4 tokens, 1 ms per token beyond, and attention growing with the context and the token count."""
+    def truth(n, context):
+        return 0.020 + 0.001 * max(n - 4, 0) + 0.004 * context / 1000 + 0.0005 * (n - 1) * context / 1000
+
+    cost = VerifyCost(forgetting=0.99)
+    assert not cost.ready
+    rng = random.Random(1)
+    for step in range(600):
+        n, context = rng.choice([1, 2, 3, 4, 6, 8, 11, 13, 16, 20]), rng.choice([50, 300, 800, 1500])
+        cost.observe(n, context, truth(n, context) * (1 + rng.gauss(0, 0.01)))
+    for n in (1, 4, 8, 16):
+        for context in (100, 1000):
+            assert cost.predict(n, context) == pytest.approx(truth(n, context), rel=0.05), (n, context)
+    curve = cost.curve(500, 24)
+    assert all(b >= a for a, b in zip(curve[1:], curve[2:]))  # more tokens never cost less
+    fresh = VerifyCost()
+    fresh.observe(1, 100, 0.030)
+    assert fresh.predict(12, 100) == pytest.approx(0.030)  # the prior is flat: untried sizes look as cheap
+
+
+def test_hindsight_records_score_every_cut_once_decided():
+    # tree: 5 (priority 0) -> 7 (priority 1); 6 (priority 2); chain [5, 7, 9]
+    record = HindsightRecord(ngram=2, before=3, tree_tokens=[5, 6, 7], tree_parents=[-1, -1, 0],
+                             tree_priority=[0, 2, 1], chain=[5, 7, 9])
+    assert record.score([]) is None  # nothing committed yet
+    assert record.score([5]) is None  # 5 accepted: its child 7 and the chain's 7 are still open
+    assert record.score([5, 7]) is None  # the chain's 9 is still open
+    tree, chain = record.score([5, 7, 8])
+    assert chain == 2 and tree.tolist() == [1, 2, 2, 2, 2, 2, 2, 2]  # the cut to 1 node holds 5 only
+    tree, chain = record.score([6, 1])  # decided at once: the root's children miss, bar 6 (no children)
+    assert chain == 0 and tree.tolist() == [0, 0, 1, 1, 1, 1, 1, 1]
+    assert HindsightRecord(0, 3, [], [], [], [4]).score([3]) == (pytest.approx([0] * len(TREE_SIZES)), 0)
+
+
+def test_hindsight_yield_expects_the_union_of_tree_and_chain():
+    yields = HindsightYield(decay=0.5, window=10)
+    tree_a = [1, 1, 1, 2, 2, 2, 2, 2]  # per cut size of TREE_SIZES
+    yields.observe(1, 1, np.array(tree_a, dtype=float), 3)
+    yields.observe(2, 1, np.zeros(len(TREE_SIZES)), 0)
+    expected = yields.expected(2, 1, 4)
+    # newest weight 1, then 0.5, then the prior (all zeros) 0.25
+    weights = np.array([0.25, 0.5, 1.0])
+    def mean(values):
+        return float((weights * np.array(values)).sum() / weights.sum())
+    assert expected[0, 0] == 0 and expected[0, 2] == pytest.approx(mean([0, 2, 0]))  # chain of 2: min(2, 3)
+    assert expected[1, 0] == pytest.approx(mean([0, 1, 0]))  # the tree cut to 1 node
+    assert expected[4, 2] == pytest.approx(mean([0, 2, 0]))  # cut to 4 nodes (2) or chain of 2 (2)
+    assert expected[4, 4] == pytest.approx(mean([0, 3, 0]))  # max(2, min(4, 3))
+    assert yields.count(11, 1) == 1 and yields.count(12, 1) == 0  # the window is in decode steps
+    assert yields.expected(12, 1, 4).max() == 0  # back to the prior
+
+
+def test_best_cut_prefers_the_best_rate_then_fewer_tokens():
+    expected = np.array([[0.0, 1.0], [0.5, 1.0]])
+    tokens = np.array([[1, 2], [3, 4]])
+    cost = np.array([0.0, 1.0, 1.0, 2.0, 2.0])
+    assert best_cut(expected, tokens, cost)[:2] == (0, 1)  # (1 + 1) / 1.0 beats (1 + 0.5) / 2.0
+    tokens[0, 1] = -1  # not available
+    assert best_cut(expected, tokens, cost)[:2] == (0, 0)  # 1 / 1.0 ties (1 + 1) / 2 at fewer tokens
+
+
+def test_match_classes_follow_how_far_back_a_match_holds():
+    empty = np.zeros(0, dtype=np.int64)
+    assert match_class(LookupMatch(empty, 0, 0)) == 0
+    assert [match_class(LookupMatch(empty, 1, n)) for n in (1, 2, 3, 5, 8, 30)] == [1, 2, 3, 4, 8, 8]
 
 
 class FakeClock:
@@ -108,8 +179,8 @@ def test_scheduler_picks_the_drafter_that_pays_and_learns_its_numbers():
     assert late.count("good") > 0.9 * len(late)
     counters = dytc.counters()
     assert counters["estimates"]["acceptance"]["good"] == pytest.approx(0.85, abs=0.12)
-    verify_a, verify_b = counters["estimates"]["verify_latency_s"]["line"]
-    assert verify_a == pytest.approx(0.01, rel=0.05) and verify_b == pytest.approx(0.001, rel=0.1)
+    verify = counters["estimates"]["verify_latency_s"]["by_tokens"]
+    assert verify["4"] == pytest.approx(0.014, rel=0.05) and verify["8"] == pytest.approx(0.018, rel=0.05)
     assert counters["estimates"]["draft_latency_s"]["good"][1] == pytest.approx(0.001, rel=0.1)
     # tokens per second reached, against the best fixed length of the good drafter (brute force)
     best = max((1 + expected_accepted(0.85, k)) / (0.001 * k + 0.01 + 0.001 * (k + 1)) for k in range(1, 9))
@@ -137,7 +208,7 @@ def test_a_cheap_one_token_forward_is_not_extrapolated_from_the_line():
     chosen = simulate(dytc, clock, {"free": 0.5}, steps=200, single=0.005)
     late = [key for key, *_ in chosen[50:]]
     assert late.count("none") > 0.85 * len(late)
-    assert dytc.counters()["estimates"]["verify_latency_s"]["one_token"] == pytest.approx(0.005)
+    assert dytc.counters()["estimates"]["verify_latency_s"]["by_tokens"]["1"] == pytest.approx(0.005, rel=0.05)
     # the same target with an expensive one-token forward: drafting pays and is chosen
     clock = FakeClock()
     dytc = DyTCDrafter([DraftOption("free", FakeDrafter(clock, 0.0), 8, 0.5, 0.0)], lookup=None, clock=clock)
@@ -151,34 +222,57 @@ def test_prompt_lookup_is_chosen_when_its_matches_hold():
     state = DecodeState(model=None, cache=None, token_ids=list(range(50, 70)) * 3 + [50, 51, 52], prompt_length=10)
     proposal = dytc.propose(state, 64)
     assert dytc._decision.key == "pld" and proposal.tokens.tolist()[:3] == [53, 54, 55]
-    assert dytc._decision.ngram == 3
+    assert dytc._decision.ngram == 8  # the match holds 20 tokens back: class 8+
     clock.now += 0.01
     dytc.observe(proposal, proposal.num_tokens)
-    assert dytc.counters()["estimates"]["pld_acceptance"]["3"] > 0.6
+    state.token_ids.extend(proposal.tokens.tolist() + [99])  # all accepted, then a token off the copy
+    dytc.propose(state, 64)  # scores the previous step's chain in hindsight
+    assert [chain for _, _, chain in dytc.hindsight.records[8]] == [proposal.num_tokens]
     with pytest.raises(InvalidArgumentError, match="at least one drafter"):
         DyTCDrafter([], lookup=None)
     with pytest.raises(InvalidArgumentError, match="distinct"):
         DyTCDrafter([DraftOption("pld", FakeDrafter(clock, 0.0))])
 
 
-def test_prompt_lookup_drafts_every_found_token_and_is_judged_by_its_yield():
-    """Prompt lookup's acceptance is bursty: it verifies all it found, and is chosen by its measured yield per step
-    (a geometric per-token rate would cut these drafts short where each verified token costs 2 ms)."""
+def test_prompt_lookup_length_follows_its_hindsight_yield():
+    """Prompt lookup's acceptance is bursty: when recent steps of its match class either copied 3+ tokens or none, it
+    drafts all it found (a geometric per-token rate would cut the draft short); when they never held, plain decoding
+    is faster."""
     dytc = DyTCDrafter([], lookup=PromptLookupDrafter(num_tokens=10), clock=FakeClock())
-    for n in range(2, 12):  # verifying n tokens: 40 ms + 2 ms per token; a one-token forward: 40 ms
-        dytc.verify_latency.observe(n, 0.040 + 0.002 * n)
-    dytc.single_latency.observe(0.040)
-    for step, accepted in enumerate([3, 0] * 5, start=1):
+    for n in range(1, 12):  # verifying n tokens: 40 ms + 2 ms per token beyond the first
+        dytc.verify_cost.observe(n, 100, 0.040 + 0.002 * (n - 1))
+    dytc._context = 100
+    for step, accepted in enumerate([10, 0] * 5, start=1):
         dytc.step = step
-        dytc._alpha_pld(2).observe_step(step, accepted, 10)
-        dytc._pld_yield(2).observe(step, float(accepted))
-    assert dytc.plan(64, lookup_tokens=10, ngram=2) == ("pld", 10)
-    assert dytc.plan(6, lookup_tokens=10, ngram=2) == ("pld", 6)  # never beyond the step's token budget
+        dytc.hindsight.observe(step, 2, np.zeros(len(TREE_SIZES)), accepted)
+    assert dytc.plan(64, lookup_tokens=10, ngram=2) == ("pld", 10, 0)
+    assert dytc.plan(6, lookup_tokens=6, ngram=2) == ("pld", 6, 0)  # never beyond what was found
     for step in range(11, 31):  # 1-gram matches that never hold: plain decoding is faster
         dytc.step = step
-        dytc._pld_yield(1).observe(step, 0.0)
-    assert dytc.plan(64, lookup_tokens=10, ngram=1) == ("none", 0)
-    assert dytc.counters()["estimates"]["pld_yield"]["1"] < 0.01
+        dytc.hindsight.observe(step, 1, np.zeros(len(TREE_SIZES)), 0)
+    assert dytc.plan(64, lookup_tokens=10, ngram=1) == ("none", 0, 0)
+    assert dytc.counters()["estimates"]["near_free_yield"]["1"]["pld"] < 0.05  # the prior's weight: 0.9^20
+
+
+def test_recycling_is_cut_to_the_size_that_pays():
+    """Token recycling's tree is drafted in full every step; the scheduler verifies the cut (and prompt lookup's
+    chain grafted in) with the most expected tokens per second."""
+    from cats.draft.recycle import TokenRecyclingDrafter
+
+    model = tiny_model("llama")
+    recycle = TokenRecyclingDrafter(model.vocab_size, total_tokens=16, depth=6)
+    dytc = DyTCDrafter([DraftOption("recycle", recycle, 16, 0.5, 0.0, tree=True, hindsight=True)],
+                       lookup=PromptLookupDrafter(num_tokens=4), clock=FakeClock())
+    for n in range(1, 20):  # flat up to 5 tokens, then 5 ms per token
+        dytc.verify_cost.observe(n, 10, 0.030 + 0.005 * max(n - 5, 0))
+    for step in range(1, 21):  # every cut accepts up to 1 token, the cuts of 4 and more nodes 2
+        dytc.step = step
+        dytc.hindsight.observe(step, 0, np.array([1, 1, 1, 2, 2, 2, 2, 2], dtype=float), 0)
+    recycle.table[:] = np.arange(recycle.candidates)[None, :] + 3  # every token has candidates 3..10
+    state = DecodeState(model=model, cache=None, token_ids=[20, 21, 22], prompt_length=3)
+    proposal = dytc.propose(state, 64)
+    assert dytc._decision.key == "recycle" and proposal.num_tokens == 4  # 4 nodes: 5 tokens, still flat
+    assert proposal.parents.tolist() == [-1, -1, 0, 2]  # x -> 3 -> 3 -> 3 and x -> 4: the 4 likeliest paths
 
 
 def dytc_for(model, adapter=None):
@@ -209,7 +303,7 @@ def cycling(drafter: DyTCDrafter) -> DyTCDrafter:
     keys = ["none", "pld"] + list(drafter.options)
     steps = itertools.count()
 
-    def plan(max_tokens, lookup_tokens=0, ngram=0):
+    def plan(max_tokens, lookup_tokens=0, ngram=0, free=None):
         i = next(steps)
         key, k = keys[i % len(keys)], 1 + (i // len(keys)) % 6
         if key == "pld":
@@ -297,25 +391,23 @@ def test_scheduler_counters_are_summed_in_bench_summaries():
     assert scheduler_totals([{"choices": [{}]}]) is None
 
 
-def test_unchosen_recycling_drafts_are_scored_in_hindsight():
-    """A draft of a hindsight option that was not verified counts the tokens it would have had accepted: its longest
-    root path equal to the tokens committed after it, once they cover its depth."""
+def test_near_free_drafts_are_scored_in_hindsight_whatever_was_chosen():
+    """Every step's recycling tree and prompt-lookup chain become a record, scored once the committed tokens decide
+    it, into the yields of the step's match class."""
     from cats.draft.recycle import TokenRecyclingDrafter
 
     model = tiny_model("llama")
     option = DraftOption("recycle", TokenRecyclingDrafter(model.vocab_size), 6, 0.5, 0.01, tree=True, hindsight=True)
     drafter = DyTCDrafter([option], lookup=None)
-    def draft(tokens, parents):
-        return Proposal(tokens=torch.tensor(tokens), parents=torch.tensor(parents))
-
-    drafter._defer("recycle", 0, 3, draft([5, 6, 7], [-1, -1, 0]))  # 5 -> 7 matches both tokens after x
-    drafter._defer("recycle", 0, 3, draft([6], [-1]))  # 6 is not the token committed after x
-    drafter._defer("recycle", 2, 3, draft([5], [-1]))  # drafted after a 2-gram lookup match
-    drafter._defer("recycle", 0, 5, draft([9, 9], [-1, 0]))  # needs two tokens after position 5: one so far
-    state = DecodeState(model, model.new_cache(), [1, 2, 3, 5, 7, 9], 3)
-    drafter._score_hindsight(state)
-    assert [value for _, value, _ in drafter.tree_yield["recycle|0"].history] == [2.0, 0.0]
-    assert [value for _, value, _ in drafter.tree_yield["recycle|2"].history] == [1.0]  # yields per lookup match
-    assert [(e.key, e.ngram, e.before, e.tokens.tolist(), e.parents.tolist()) for e in drafter._hindsight] == [
-        ("recycle", 0, 5, [9, 9], [-1, 0])]
-    assert drafter.counters()["hindsight_scored"] == {"recycle": 3}
+    drafter._records.extend([
+        HindsightRecord(0, 3, [5, 6, 7], [-1, -1, 0], [0, 1, 2], []),  # 5 -> 7 matches both tokens after x
+        HindsightRecord(2, 3, [6], [-1], [0], [5, 7, 8]),  # a chain of which 2 hold
+        HindsightRecord(0, 5, [9, 9], [-1, 0], [0, 1], []),  # 9 -> 9 after position 5: the second is still open
+    ])
+    drafter.step = 1
+    drafter._score_hindsight(DecodeState(model, model.new_cache(), [1, 2, 3, 5, 7, 9], 3))
+    assert [tree.tolist() for _, tree, _ in drafter.hindsight.records[0]] == [[1, 1, 2, 2, 2, 2, 2, 2]]
+    assert [(tree.max(), chain) for _, tree, chain in drafter.hindsight.records[2]] == [(0, 2)]
+    assert [(r.before, r.tree_tokens) for r in drafter._records] == [(5, [9, 9])]
+    assert drafter.counters()["hindsight_scored"] == 2
+    assert drafter.counters()["estimates"]["pld_acceptance"]["2"] < 0.7  # the chain's rate learned from it

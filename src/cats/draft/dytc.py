@@ -4,32 +4,38 @@ that maximise the expected tokens per unit of predicted time, from estimates lea
 Options each step (all from the target itself, or a trained draft adapter):
 
 * no draft (plain decoding: 1 token for one 1-token target forward);
-* prompt lookup, the near-free bottom draft: its n-gram match is looked up *before* deciding, so the scheduler
-  knows how many tokens it offers and how long the match is. When chosen, it drafts every token it found (as
-  ``pld`` does: verifying a few more tokens costs almost nothing), and its *yield* -- tokens accepted per step --
-  is tracked per matched n-gram length, not a per-token rate: prompt lookup's acceptance is bursty (a match that
-  holds often copies a long span), which a geometric model with the same mean rate badly underestimates
+* the near-free drafts, which run no model layer: prompt lookup's continuation and token recycling's tree
+  (`cats.draft.recycle`), both drafted every step *before* deciding. The scheduler verifies the best *cut* of them:
+  the recycling tree cut to its m most probable template nodes (m in `cats.draft.hindsight.TREE_SIZES`, or none),
+  with the chain's first k tokens grafted in as one more branch (k from 0 to all it found). Each (m, k) is judged
+  by its expected accepted tokens -- estimated in *hindsight* from every earlier step's drafts, verified or not,
+  per prompt-lookup match class (`match_class`: no match, or how far back the match holds) -- against the
+  predicted cost of verifying that many tokens. Prompt lookup's acceptance is bursty (a held match often copies a
+  long span, a loop repeats for good), which the per-class records capture and a geometric per-token rate does not
   (measured on Spec-Bench: with the geometric model DyTC drafted shorter than ``pld`` and reached 0.91x of it);
-* token recycling (`cats.draft.recycle`): a near-free tree read off a table of the target's own recent candidates,
-  with prompt lookup's continuation (when it found one) merged in as one more branch; chosen by its measured yield
-  (accepted tokens per step), as trees are;
 * each model drafter (layer-skip drafters, usually in a vertical cascade with prompt lookup under them, see
-  `cats.draft.layer_skip`; the early exit through a trained draft adapter), at every length 1..its maximum.
+  `cats.draft.layer_skip`; the early exit through a trained draft adapter, chains and trees), at every length
+  1..its maximum.
 
 Estimates (all online):
 
-* acceptance: per drafter (and per prompt-lookup n-gram length) a per-token acceptance rate alpha, an exponential
-  moving average with decay lambda = 0.7 over the observations of the last 20 decode steps (CAS-Spec's settings).
-  Each step contributes its accepted tokens and its trials (accepted + 1 if a drafted token was rejected): the
-  weighted geometric-model estimate. The prior (prompt lookup: fixed guesses; layer skip: the calibrated
-  agreement; an adapter: its held-out agreement) enters as one pseudo-observation older than all others, and is all
-  that is left when a drafter went unused for 20 steps: a drafter with a good prior is tried again then (exploration).
-* latency: recursive least squares with forgetting (0.98), time = a + b * n, for the target's verification of
-  n >= 2 tokens and for each drafter (n = tokens drafted), and a moving average of the one-token forward (plain
-  decoding; on CPUs it is often cheaper than the line through multi-token forwards predicts, as matrix-vector
-  kernels give way to matrix-matrix ones), measured with the clock around `propose` and between `propose` and
-  `observe` (the verification). Each drafter is tried once (at length 2) as soon as a verification was timed, so
-  that its cost is measured rather than assumed; the estimates persist across generations.
+* near-free yields (`cats.draft.hindsight`): once the committed tokens decide a step's drafts, what each cut would
+  have had accepted is exact (greedy output, and sampled output with deterministic drafts, does not depend on what
+  was drafted), so every step adds a record for every cut, chosen or not; records of the last 60 steps per match
+  class, weighted 0.9^age, give the expected accepted tokens of every (m, k);
+* acceptance of model drafters: per drafter a per-token acceptance rate alpha, an exponential moving average with
+  decay lambda = 0.7 over the observations of the last 20 decode steps (CAS-Spec's settings). Each step contributes
+  its accepted tokens and its trials (accepted + 1 if a drafted token was rejected): the weighted geometric-model
+  estimate. The prior (layer skip: the calibrated agreement; an adapter: its held-out agreement) enters as one
+  pseudo-observation older than all others, and is all that is left when a drafter went unused for 20 steps: a
+  drafter with a good prior is tried again then (exploration). Model trees track their accepted tokens per step;
+* latency: the target forward over n tokens after T cached ones (`cats.draft.hindsight.VerifyCost`: recursive
+  least squares with forgetting 0.98, piecewise linear in n -- on CPUs a few tokens cost about what one does, then
+  each adds compute -- with an attention term in T), timed between `propose` and `observe` on every step; its prior
+  is flat, so untried sizes get tried, and a plain one-token step is taken at least every 60 steps so that the
+  cheap end stays measured. Each model drafter's time ``a + b * k`` by the same least squares over the time spent
+  in its `propose`; each is tried once (at length 2) as soon as a verification was timed, so that its cost is
+  measured rather than assumed. Estimates persist across generations (and the questions of a `cats bench` run).
 
 Objective (A*-style, as CAS-Spec): for drafter c at length k with acceptance alpha,
 
@@ -63,21 +69,34 @@ import numpy as np
 import torch
 
 from cats.draft.base import DecodeState, Drafter, Proposal
-from cats.draft.prompt_lookup import PromptLookupDrafter, lookup_with_ngram
-from cats.draft.recycle import TokenRecyclingDrafter, graft
+from cats.draft.prompt_lookup import LookupMatch, PromptLookupDrafter, lookup_match
+from cats.draft.hindsight import (TREE_SIZES, YIELD_DECAY, YIELD_WINDOW, HindsightRecord, HindsightYield, VerifyCost,
+                                  best_cut)
+from cats.draft.recycle import TokenRecyclingDrafter, TreeTemplate, cut, graft
 from cats.errors import InvalidArgumentError
-from cats.tree import chain_parents, depths, greedy_path, is_chain, verification_inputs
+from cats.tree import is_chain, verification_inputs
 
 DECAY, WINDOW = 0.7, 20  # CAS-Spec's acceptance moving average
 FORGETTING = 0.98  # latency fits
 # prompt-lookup acceptance before any observation, by matched n-gram length. Optimistic on purpose: a prior under
 # which prompt lookup never beats plain decoding is never measured (1-gram matches at 0.3 were never tried on
 # Spec-Bench, while their measured rate, where used, was ~0.5)
-PLD_PRIORS = {1: 0.5, 2: 0.6, 3: 0.7}
+PLD_PRIORS = {1: 0.5, 2: 0.6, 3: 0.7, 4: 0.75, 8: 0.9}
+MATCH_CLASSES = (1, 2, 3, 4, 8)  # a match is classed by how far back it holds: 1, 2, 3, 4-7 or 8+ tokens
+
+
+def match_class(match: LookupMatch) -> int:
+    """The class of a prompt-lookup match for the estimates kept per class: 0 (no match) or the largest of
+    `MATCH_CLASSES` not above the match's length (a longer match predicts a longer copy: a repeated phrase or a
+    loop rather than a chance unigram)."""
+    if not match.ngram:
+        return 0
+    return max(c for c in MATCH_CLASSES if c <= match.length)
 PLD_COST = 0.002  # prompt lookup's prior cost per token, as a fraction of a one-token target forward
-VERIFY_SLOPE = 0.1  # prior cost of each further verified token, as a fraction of a one-token forward
 MAX_ALPHA = 0.98
-RECYCLE_TOKENS = 8  # token recycling's tree in DyTC (before prompt lookup's branch): verification is not free
+CURVE_TOKENS = 32  # the verification cost curve is predicted for up to this many tokens at once (more on demand)
+SINGLE_EVERY = 60  # steps: at least one plain-decoding step this often, so the one-token cost stays measured
+RECYCLE_TOKENS = max(TREE_SIZES)  # token recycling's template in DyTC; each step verifies the cut that pays
 RECYCLE_PRIOR = 0.5  # its per-token prior along the best path (optimistic, as for prompt lookup: measurement decides)
 NONE, PLD = "none", "pld"
 
@@ -186,22 +205,6 @@ class LatencyModel:
         return None if self.scale is None else [float(c * self.scale) for c in self.theta]
 
 
-class MovingLatency:
-    """An exponential moving average of a duration (one-token forwards), forgetting factor as `LatencyModel`."""
-
-    def __init__(self, forgetting: float = FORGETTING):
-        self.forgetting, self.value, self.count = forgetting, 0.0, 0
-
-    @property
-    def ready(self) -> bool:
-        return self.count > 0
-
-    def observe(self, seconds: float) -> None:
-        self.count += 1
-        weight = max(1.0 - self.forgetting, 1.0 / self.count)  # a plain mean until the window fills
-        self.value += weight * (seconds - self.value)
-
-
 @dataclass
 class DraftOption:
     """A drafter the scheduler may choose: a chain drafter at any length up to ``max_tokens``, or (``tree``) a
@@ -219,15 +222,45 @@ class DraftOption:
 
 
 @dataclass
-class _Unverified:
-    """A hindsight option's draft that was not verified (see `DyTCDrafter._score_hindsight`)."""
+class _FreeDrafts:
+    """This step's near-free drafts as the planner sees them: the forward's token count (x included) for every cut,
+    ``tokens[row, k]``: row 0 = no tree, row i = the recycling tree cut to ``TREE_SIZES[i - 1]`` nodes; column k =
+    prompt lookup's first k tokens grafted in (-1: not available, e.g. a cut with the same nodes as a smaller one)."""
 
-    key: str  # the option
-    ngram: int  # the n-gram length prompt lookup matched when it was drafted (0: none)
-    before: int  # tokens (prompt + generated) when it was drafted: its root x is the last of them
-    tokens: torch.Tensor  # [k] its nodes
-    parents: torch.Tensor  # [k]
-    depths: torch.Tensor  # [k] each node's depth (1 = a child of x)
+    ngram: int
+    tokens: np.ndarray
+
+    @classmethod
+    def chain_only(cls, chain_tokens: int, ngram: int) -> "_FreeDrafts":
+        tokens = np.full((1 + len(TREE_SIZES), chain_tokens + 1), -1)
+        tokens[0] = 1 + np.arange(chain_tokens + 1)
+        return cls(ngram, tokens)
+
+    @classmethod
+    def of(cls, tree: Proposal, priority: list[int], chain: list[int], ngram: int) -> "_FreeDrafts":
+        free = cls.chain_only(len(chain), ngram)
+        if not tree.num_tokens:
+            return free
+        children = {(parent, token): node for node, (parent, token) in
+                    enumerate(zip(tree.parents.tolist(), tree.tokens.tolist()))}
+        on_path, current = [], -1  # priorities of the tree nodes the chain runs through (increasing)
+        for token in chain:
+            current = children.get((current, token), -1)
+            if current < 0:
+                break
+            on_path.append(priority[current])
+        ranks, on_path = np.asarray(priority), np.asarray(on_path, dtype=int)
+        lengths, seen = np.arange(len(chain) + 1), 0
+        for row, size in enumerate(TREE_SIZES, start=1):
+            nodes = int((ranks < size).sum())
+            if nodes == seen:
+                continue  # the same cut as a smaller size
+            seen = nodes
+            # chain tokens already in the cut: its first k tokens' nodes on the path with priority < size
+            inside = np.concatenate([[0], np.cumsum(on_path < size)])
+            shared = inside[np.minimum(lengths, len(on_path))]
+            free.tokens[row] = 1 + nodes + lengths - shared
+        return free
 
 
 @dataclass
@@ -242,10 +275,12 @@ class _Decision:
 
 
 class DyTCDrafter(Drafter):
-    """Chooses, each step, no draft, prompt lookup, or one of ``options`` and a length (module docstring).
+    """Chooses, each step, no draft, the near-free drafts (prompt lookup and token recycling, cut to the sizes that
+    pay), or one of the model drafters and a length (module docstring).
 
     Args:
-        options: model drafters (at most one with its own cache layers, i.e. a trained draft adapter).
+        options: model drafters (at most one with its own cache layers, i.e. a trained draft adapter) and at most
+            one near-free tree drafter (``hindsight=True``: token recycling).
         lookup: the prompt-lookup drafter used as an option and as the bottom look-ahead (None: neither).
         lookahead_tokens: longest prompt-lookup continuation attached after a model drafter's chain (0: none).
         decay, window: the acceptance moving average (CAS-Spec: 0.7, 20 steps).
@@ -256,7 +291,8 @@ class DyTCDrafter(Drafter):
 
     def __init__(self, options: Sequence[DraftOption], lookup: PromptLookupDrafter | None = None,
                  lookahead_tokens: int = 4, decay: float = DECAY, window: int = WINDOW,
-                 forgetting: float = FORGETTING, clock: Callable[[], float] = time.perf_counter, features=None):
+                 forgetting: float = FORGETTING, clock: Callable[[], float] = time.perf_counter, features=None,
+                 yield_decay: float = YIELD_DECAY, yield_window: int = YIELD_WINDOW):
         if not options and lookup is None:
             raise InvalidArgumentError("DyTC needs at least one drafter (prompt lookup or a model drafter)")
         keys = [option.key for option in options]
@@ -265,10 +301,16 @@ class DyTCDrafter(Drafter):
         if lookahead_tokens < 0 or not 0 < decay < 1 or window < 1 or not 0 < forgetting <= 1:
             raise InvalidArgumentError("DyTC needs lookahead_tokens >= 0, 0 < decay < 1, window >= 1, "
                                        "0 < forgetting <= 1")
+        if not 0 < yield_decay <= 1 or yield_window < 1:
+            raise InvalidArgumentError("DyTC needs 0 < yield_decay <= 1 and yield_window >= 1")
         for option in options:
             if option.max_tokens < 1 or not 0 <= option.prior_acceptance <= 1 or option.prior_cost < 0:
                 raise InvalidArgumentError(f"DyTC option {option.key!r}: max_tokens >= 1, prior acceptance in "
                                            "[0, 1] and a non-negative prior cost are required")
+        free_trees = [option for option in options if option.hindsight]
+        if len(free_trees) > 1 or any(not isinstance(o.drafter, TokenRecyclingDrafter) for o in free_trees):
+            raise InvalidArgumentError("DyTC holds at most one near-free tree option (hindsight=True), a token "
+                                       "recycling drafter")
         with_cache = [option for option in options if option.drafter.cache_layers]
         if len({id(getattr(option.drafter, "adapter", None)) for option in with_cache}) > 1:
             raise InvalidArgumentError("DyTC can hold one draft adapter (drafters with their own cache layers must "
@@ -281,6 +323,7 @@ class DyTCDrafter(Drafter):
         self.wants_features = features is not None
         self.wants_target_logits = any(option.drafter.wants_target_logits for option in options)
         self.options = {option.key: option for option in options}
+        self.recycle = free_trees[0] if free_trees else None  # the near-free tree option
         self.lookup, self.lookahead_tokens = lookup, lookahead_tokens if lookup is not None else 0
         self.decay, self.window, self.clock = decay, window, clock
         self.synced = with_cache[0].drafter if with_cache else None  # the adapter drafter kept in sync
@@ -290,18 +333,26 @@ class DyTCDrafter(Drafter):
         # drafters whose prefill runs once: one per adapter, and any other drafter that asks for prompt states
         self._prefilled = ([self.synced] if self.synced else []) + ([features] if features else []) + [
             o.drafter for o in options if o.drafter.prefill_layers and not o.drafter.cache_layers]
-        self.tree_yield: dict[str, WindowedAverage] = {}  # trees: mean accepted tokens per step (`_tree_yield`)
+        self.tree_yield: dict[str, WindowedAverage] = {}  # model trees: mean accepted tokens per step
         self.acceptance = {key: AcceptanceEstimate(o.prior_acceptance, decay, window)
                            for key, o in self.options.items() if not o.tree}
         self.pld_acceptance: dict[int, AcceptanceEstimate] = {}  # per-token rate (reports, the look-ahead)
-        self.pld_yield: dict[int, WindowedAverage] = {}  # accepted tokens per prompt-lookup step (the choice)
+        tree_prior = {}
+        if self.recycle is not None:  # optimistic: the prior per-token rate along a cut's deepest path
+            for size in TREE_SIZES:
+                depth = max(TreeTemplate(size, self.recycle.drafter.depth).depths)
+                tree_prior[size] = expected_accepted(self.recycle.prior_acceptance, depth)
+        chain_prior = {n: expected_accepted(p, lookup.num_tokens if lookup else 1) for n, p in PLD_PRIORS.items()}
+        self.hindsight = HindsightYield(tree_prior, chain_prior, yield_decay, yield_window)
         self.lookahead_yield = WindowedAverage(0.0, decay, window)
-        self.verify_latency = LatencyModel(VERIFY_SLOPE, forgetting)  # verifying 2 or more tokens
-        self.single_latency = MovingLatency(forgetting)  # a one-token forward (no draft): often much cheaper per
-        # token than the line through multi-token forwards predicts (matrix-vector vs matrix-matrix kernels)
-        self.draft_latency = {key: LatencyModel(0.05, forgetting) for key in list(self.options) + [PLD]}
+        self.verify_cost = VerifyCost(forgetting)  # a target forward over n tokens after T cached ones
+        self.draft_latency = {key: LatencyModel(0.05, forgetting) for key, o in self.options.items() if not o.hindsight}
         self.step = 0
-        self._hindsight: deque[_Unverified] = deque()  # drafts not verified, scored once the tokens cover them
+        self._records: deque[HindsightRecord] = deque()  # near-free drafts, scored once the tokens cover them
+        self._context = 0  # tokens in the cache when the current step was planned
+        self._single_seen = 0  # the latest step that verified one token (no draft)
+        self._curve: tuple | None = None  # ((fit count, context), `_verify_curve`)
+        self._free: _FreeDrafts | None = None
         self._state: DecodeState | None = None
         self._decision: _Decision | None = None
         self._reset_counters()
@@ -316,60 +367,46 @@ class DyTCDrafter(Drafter):
             self.pld_acceptance[ngram] = AcceptanceEstimate(self._pld_prior(ngram), self.decay, self.window)
         return self.pld_acceptance[ngram]
 
-    def _tree_yield(self, key: str, ngram: int) -> WindowedAverage:
-        """A tree option's mean accepted tokens per step; a hindsight option's (token recycling, whose tree carries
-        prompt lookup's continuation) per matched n-gram length (0: no match): with a long match its yield is
-        prompt lookup's, without one its own. Prior: the per-token prior over the tree's depth."""
-        name = f"{key}|{ngram}" if self.options[key].hindsight else key
-        if name not in self.tree_yield:
+    def _tree_yield(self, key: str) -> WindowedAverage:
+        """A model tree option's mean accepted tokens per step. Prior: the per-token prior over the tree's depth."""
+        if key not in self.tree_yield:
             option = self.options[key]
             depth = getattr(option.drafter, "depth", option.max_tokens)
-            self.tree_yield[name] = WindowedAverage(expected_accepted(option.prior_acceptance, depth), self.decay,
-                                                    self.window)
-        return self.tree_yield[name]
-
-    def _pld_yield(self, ngram: int) -> WindowedAverage:
-        if ngram not in self.pld_yield:
-            tokens = self.lookup.num_tokens if self.lookup is not None else 1
-            prior = expected_accepted(self._pld_prior(ngram), tokens)
-            self.pld_yield[ngram] = WindowedAverage(prior, self.decay, self.window)
-        return self.pld_yield[ngram]
+            self.tree_yield[key] = WindowedAverage(expected_accepted(option.prior_acceptance, depth), self.decay,
+                                                   self.window)
+        return self.tree_yield[key]
 
     def _yield_rate(self, key: str, k: int, accepted: float) -> float:
         """Expected tokens per predicted second of drafting ``k`` tokens with ``key`` and verifying them, when a
-        step is expected to accept ``accepted`` of them (prompt lookup, trees: measured yields per step)."""
+        step is expected to accept ``accepted`` of them (model trees: measured yields per step)."""
         da, db = self._draft_line(key)
         return (1.0 + accepted) / (max(da + db * k, 0.0) + self._verify_time(k + 1))
 
-    def _verify_line(self) -> tuple[float, float]:
-        """``(a, b)`` of the time ``a + b * n`` to verify n >= 2 tokens; until measured, the prior shape through
-        the one-token time (in units of a one-token forward until that is measured too)."""
-        if self.verify_latency.ready:
-            return self.verify_latency.line()
-        single = self._single_time()
-        return single * (1.0 - VERIFY_SLOPE), single * VERIFY_SLOPE
+    def _verify_curve(self, max_n: int) -> np.ndarray:
+        """Predicted seconds of a target forward over n = 0..max_n tokens at the current context; before the first
+        measurement, a flat curve of one (unit: a one-token forward). Computed once per step (and fit)."""
+        key = (self.verify_cost.count, self._context)
+        cached = self._curve
+        if cached is None or cached[0] != key or len(cached[1]) <= max_n:
+            size = max(max_n, CURVE_TOKENS)
+            curve = self.verify_cost.curve(self._context, size) if self.verify_cost.ready else np.ones(size + 1)
+            self._curve = cached = (key, curve)
+        return cached[1]
 
     def _single_time(self) -> float:
         """Time of a one-token target forward (plain decoding)."""
-        if self.single_latency.ready:
-            return self.single_latency.value
-        if self.verify_latency.ready:
-            return self.verify_latency.predict(1)
-        return 1.0
+        return float(self._verify_curve(1)[1])
 
     def _draft_line(self, key: str) -> tuple[float, float]:
         """``(a, b)`` of the drafting time ``a + b * k``; before any measurement, the prior cost ratio per token
-        times a one-token verification."""
+        times a one-token forward."""
         model = self.draft_latency[key]
         if model.ready:
             return model.line()
-        return 0.0, (PLD_COST if key == PLD else self.options[key].prior_cost) * self._single_time()
+        return 0.0, self.options[key].prior_cost * self._single_time()
 
     def _verify_time(self, n: int) -> float:
-        if n <= 1:
-            return max(self._single_time(), 1e-6)
-        a, b = self._verify_line()
-        return max(a + b * n, 1e-6)
+        return float(self._verify_curve(n)[max(n, 1)])
 
     def rate(self, key: str, k: int, alpha: float, lookahead: float = 0.0) -> float:
         """Expected tokens per predicted second of drafting ``k`` tokens with ``key`` (see module docs)."""
@@ -380,7 +417,7 @@ class DyTCDrafter(Drafter):
         """The length in ``1..max_k`` with the best rate (the first on ties) and that rate."""
         if key == NONE or max_k == 0:
             return 0, 1.0 / max(self._single_time(), 1e-6)
-        va, vb = self._verify_line()
+        verify = self._verify_curve(max_k + 1)
         da, db = self._draft_line(key)
         best_k, best, accepted, power = 0, -1.0, 0.0, 1.0
         for k in range(1, max_k + 1):
@@ -388,36 +425,50 @@ class DyTCDrafter(Drafter):
             accepted += power
             if only is not None and k != only:
                 continue
-            value = (1.0 + accepted + power * lookahead) / (max(da + db * k, 0.0) + max(va + vb * (k + 1), 1e-6))
+            value = (1.0 + accepted + power * lookahead) / (max(da + db * k, 0.0) + verify[k + 1])
             if value > best:
                 best_k, best = k, value
         return best_k, best
 
-    def plan(self, max_tokens: int, lookup_tokens: int = 0, ngram: int = 0) -> tuple[str, int]:
-        """The best (drafter key, length) now, given that prompt lookup offers ``lookup_tokens`` tokens from an
-        ``ngram``-token match. Ties go to the earlier candidate: no draft, prompt lookup, options in order, shorter."""
-        if self.single_latency.ready or self.verify_latency.ready:
-            for key, option in self.options.items():  # try every drafter once, so its cost is measured, not assumed
-                if not self.draft_latency[key].ready and min(option.max_tokens, max_tokens) >= 1:
-                    return key, option.max_tokens if option.tree else min(2, option.max_tokens, max_tokens)
-        choice, best = (NONE, 0), self._best_length(NONE, 0, 0.0)[1]
-        if lookup_tokens and max_tokens > 0:
-            k = min(lookup_tokens, max_tokens)
-            value = self._yield_rate(PLD, k, min(self._pld_yield(ngram).ratio(self.step), float(k)))
-            if value > best:
-                choice, best = (PLD, k), value
+    def _free_plan(self, free: _FreeDrafts) -> tuple[str, int, int, float]:
+        """The best cut of this step's near-free drafts: ``(key, tree cut size, chain length, rate)``, key
+        `NONE` (nothing), `PLD` (the chain alone) or the recycling option's key (a tree cut, the chain grafted)."""
+        expected = self.hindsight.expected(self.step, free.ngram, free.tokens.shape[1] - 1)
+        row, k, rate = best_cut(expected, free.tokens, self._verify_curve(int(free.tokens.max())))
+        if row:
+            return self.recycle.key, TREE_SIZES[row - 1], k, rate
+        return (PLD if k else NONE), k, 0, rate
+
+    def plan(self, max_tokens: int, lookup_tokens: int = 0, ngram: int = 0,
+             free: _FreeDrafts | None = None) -> tuple[str, int, int]:
+        """The best (key, k, graft) now: no draft, the near-free drafts of ``free`` (prompt lookup's chain of k
+        tokens: ``(pld, k, 0)``; token recycling's tree cut to k nodes with the chain's first ``graft`` tokens
+        grafted in: ``(recycle, k, graft)``), or a model drafter at length k. Without ``free``, prompt lookup offers
+        ``lookup_tokens`` tokens from an ``ngram``-token match and recycling nothing. Ties go to the earlier
+        candidate: the near-free drafts (fewer tokens first), then model options in order, shorter."""
+        if self.verify_cost.ready and self.step - self._single_seen > SINGLE_EVERY:
+            return NONE, 0, 0  # the cost prior is flat (optimistic for more tokens, not for fewer): measure one token
+        if self.verify_cost.ready:
+            for key, option in self.options.items():  # try every model drafter once, so its cost is measured
+                if not option.hindsight and not self.draft_latency[key].ready and min(option.max_tokens,
+                                                                                     max_tokens) >= 1:
+                    return key, option.max_tokens if option.tree else min(2, option.max_tokens, max_tokens), 0
+        if free is None:
+            free = _FreeDrafts.chain_only(min(lookup_tokens, max_tokens), ngram)
+        key, k, graft_tokens, best = self._free_plan(free)
+        choice = (key, k, graft_tokens)
         lookahead = self.lookahead_yield.ratio(self.step) if self.lookahead_tokens else 0.0
         for key, option in self.options.items():
             limit = min(option.max_tokens, max_tokens)
-            if limit <= 0:
+            if limit <= 0 or option.hindsight:
                 continue
             if option.tree:
                 k = option.max_tokens  # its node count (the budget only limits its depth)
-                value = self._yield_rate(key, k, self._tree_yield(key, ngram).ratio(self.step))
+                value = self._yield_rate(key, k, self._tree_yield(key).ratio(self.step))
             else:
                 k, value = self._best_length(key, limit, self.acceptance[key].value(self.step), lookahead)
             if value > best:
-                choice, best = (key, k), value
+                choice, best = (key, k, 0), value
         return choice
 
     # ------------------------------------------------------------------ the Drafter interface
@@ -430,39 +481,46 @@ class DyTCDrafter(Drafter):
         if state is not self._state:
             self._begin(state)
         self.step += 1
+        self._context = state.committed_length
         tokens = self._token_array(state)
         found, ngram = np.empty(0, dtype=np.int64), 0  # looked up every step (the choice needs it): not a draft cost
         if self.lookup is not None and max_tokens > 0:
-            found, ngram = lookup_with_ngram(tokens, self.lookup.max_ngram, self.lookup.min_ngram,
-                                             min(self.lookup.num_tokens, max_tokens))
+            match = lookup_match(tokens, self.lookup.max_ngram, self.lookup.min_ngram,
+                                 min(self.lookup.num_tokens, max_tokens))
+            found, ngram = match.tokens, match_class(match)
         deterministic = replace(state, sampler=None)  # see the module docstring: sampling
         self._score_hindsight(state)
-        ready = {key: self._draft(key, deterministic, max_tokens, found)  # drafted every step (near-free)
-                 for key, option in self.options.items() if option.hindsight and max_tokens > 0}
+        tree, priority = Proposal.empty(), []
+        if self.recycle is not None and max_tokens > 0:  # drafted every step (near-free), scored in hindsight
+            tree, priority = self.recycle.drafter.propose_ranked(deterministic, max_tokens)
+        chain = found.tolist()
+        free = _FreeDrafts.of(tree, priority, chain, ngram)
+        if tree.num_tokens or chain:
+            self._records.append(HindsightRecord(ngram, len(state.token_ids), tree.tokens.tolist(),
+                                                 tree.parents.tolist() if tree.num_tokens else [], priority, chain))
         start = self.clock()
-        key, k = self.plan(max_tokens, len(found), ngram)
+        key, k, *rest = self.plan(max_tokens, len(found), ngram, free)
+        graft_tokens = rest[0] if rest else len(chain)
         decision = _Decision(key, k, ngram=ngram if key == PLD else 0, lookup_ngram=ngram)
-        if key == NONE:
-            proposal = Proposal.empty()
-        elif key == PLD:
+        if key == PLD:
             proposal = Proposal(tokens=torch.as_tensor(found[:k], dtype=torch.long))
-        elif key in ready:
-            proposal = ready[key]
+        elif self.recycle is not None and key == self.recycle.key:
+            proposal = cut(tree, [rank < k for rank in priority]) if tree.num_tokens else Proposal.empty()
+            if graft_tokens:
+                proposal = graft(proposal, chain[:graft_tokens])
             decision.k = proposal.num_tokens
-        else:
-            proposal = self._draft(key, deterministic, max_tokens if self.options[key].tree else k, found)
+        elif key != NONE:
+            proposal = self.options[key].drafter.propose(deterministic, max_tokens if self.options[key].tree else k)
             decision.k = proposal.num_tokens
-        for other, draft in ready.items():  # the drafts not verified now are scored once the target has decided
-            if other != key and draft.num_tokens:
-                self._defer(other, ngram, len(state.token_ids), draft)
+        if key == NONE or not proposal.num_tokens:
+            key, proposal = NONE, Proposal.empty()
+            decision = _Decision(NONE, 0, lookup_ngram=ngram)
         drafted_at = self.clock()
-        if key not in (NONE, PLD):
+        if key in self.draft_latency:
             self.draft_latency[key].observe(decision.k, drafted_at - start)
-        if key not in (NONE, PLD) and not self.options[key].tree:
-            proposal = self._attach_lookahead(state, proposal, decision, self.options[key].drafter,
-                                              drafted_at - start, max_tokens)
-        elif key == PLD:
-            self.draft_latency[PLD].observe(k, drafted_at - start)
+            if not self.options[key].tree:
+                proposal = self._attach_lookahead(state, proposal, decision, self.options[key].drafter,
+                                                  drafted_at - start, max_tokens)
         if self.synced is not None and proposal.hidden is None:
             proposal = self._run_synced(state, proposal)
         decision.drafted_at = drafted_at
@@ -471,37 +529,22 @@ class DyTCDrafter(Drafter):
         self._counts["drafted"][key] += decision.k
         return proposal
 
-    def _draft(self, key: str, state: DecodeState, max_tokens: int, found: np.ndarray) -> Proposal:
-        """Option ``key``'s draft (a chain drafter: of ``max_tokens`` tokens); token recycling's tree gets prompt
-        lookup's continuation (if any) as a branch."""
-        drafter = self.options[key].drafter
-        proposal = drafter.propose(state, max_tokens)
-        if isinstance(drafter, TokenRecyclingDrafter) and len(found):
-            proposal = graft(proposal, found.tolist())
-        return proposal
-
-    def _defer(self, key: str, ngram: int, before: int, draft: Proposal) -> None:
-        """Keep option ``key``'s unverified ``draft``, made after ``before`` tokens, for `_score_hindsight`."""
-        parents = draft.parents if draft.parents is not None else chain_parents(draft.num_tokens)
-        self._hindsight.append(_Unverified(key, ngram, before, draft.tokens, parents, depths(parents)))
-
     def _score_hindsight(self, state: DecodeState) -> None:
-        """Score the unverified drafts of hindsight options whose depth the committed tokens now cover: the tokens
-        a draft would have had accepted are its longest root path equal to the tokens committed after it (exact:
-        greedy output, and sampled output with deterministic drafts, do not depend on what was drafted), i.e. its
-        `greedy_path` with the committed token at each depth as the target's choice."""
+        """Score the near-free drafts the committed tokens now decide (module `cats.draft.hindsight`):
+        each tree cut's and the chain's accepted tokens go to the yields of their prompt-lookup match class, the
+        chain's to prompt lookup's per-token rate (the look-ahead's estimate)."""
         ids, waiting = state.token_ids, deque()
-        for entry in self._hindsight:
-            depth = int(entry.depths.max())
-            if len(ids) - entry.before < depth:
-                waiting.append(entry)
+        for record in self._records:
+            scored = record.score(ids[record.before:])
+            if scored is None:
+                waiting.append(record)
                 continue
-            committed = torch.tensor(ids[entry.before : entry.before + depth] + [-1])  # -1: below the deepest nodes
-            choice = torch.cat([committed[:1], committed[entry.depths]])  # after x, then after each node
-            accepted = len(greedy_path(entry.tokens, entry.parents, choice))
-            self._tree_yield(entry.key, entry.ngram).observe(self.step, float(accepted))
-            self._counts["hindsight"][entry.key] += 1
-        self._hindsight = waiting
+            tree, chain = scored
+            self.hindsight.observe(self.step, record.ngram, tree, chain)
+            if record.chain:
+                self._alpha_pld(record.ngram).observe_step(self.step, chain, len(record.chain))
+            self._counts["hindsight"] += 1
+        self._records = waiting
 
     def take_features(self, final_states: torch.Tensor) -> None:
         self.features.take_features(final_states)
@@ -515,19 +558,16 @@ class DyTCDrafter(Drafter):
         decision, self._decision = self._decision, None
         if decision is None:
             return
-        verify_s = self.clock() - decision.drafted_at
-        if proposal.num_tokens:
-            self.verify_latency.observe(proposal.num_tokens + 1, verify_s)
-        else:
-            self.single_latency.observe(verify_s)
+        self.verify_cost.observe(proposal.num_tokens + 1, self._context, self.clock() - decision.drafted_at)
+        if not proposal.num_tokens:
+            self._single_seen = self.step
         chain = min(num_accepted, decision.k)
         self._counts["accepted"][decision.key] += chain
-        if decision.key in self.options and self.options[decision.key].tree:
-            self._tree_yield(decision.key, decision.lookup_ngram).observe(self.step, float(num_accepted))
-        elif decision.key == PLD:
-            self._alpha_pld(decision.ngram).observe_step(self.step, chain, decision.k)
-            self._pld_yield(decision.ngram).observe(self.step, float(chain))
-        elif decision.key != NONE:
+        if decision.key in (NONE, PLD) or self.options[decision.key].hindsight:
+            return  # near-free drafts are scored in hindsight, chosen or not
+        if self.options[decision.key].tree:
+            self._tree_yield(decision.key).observe(self.step, float(num_accepted))
+        else:
             self.acceptance[decision.key].observe_step(self.step, chain, decision.k)
             if num_accepted >= decision.k and self.lookahead_tokens:  # the look-ahead was reached
                 gained = num_accepted - decision.k
@@ -544,7 +584,8 @@ class DyTCDrafter(Drafter):
         if room <= 0 or proposal.is_tree or (proposal.hidden is not None and not hasattr(drafter, "layer")):
             return proposal
         context = np.asarray(list(state.token_ids) + proposal.tokens.tolist())
-        found, ngram = lookup_with_ngram(context, self.lookup.max_ngram, self.lookup.min_ngram, room)
+        match = lookup_match(context, self.lookup.max_ngram, self.lookup.min_ngram, room)
+        found, ngram = match.tokens, match_class(match)
         if not len(found):
             return proposal
         alpha = self.acceptance[decision.key].value(self.step)
@@ -610,17 +651,17 @@ class DyTCDrafter(Drafter):
     def _begin(self, state: DecodeState) -> None:
         """A new generation: its counters start at zero (the estimates carry over)."""
         self._state, self._decision = state, None
-        self._hindsight.clear()
+        self._records.clear()
         self._buffer, self._held = np.empty(0, dtype=np.int64), 0
         self._reset_counters()
 
     def _reset_counters(self) -> None:
-        self._counts = {"choices": Counter(), "drafted": Counter(), "accepted": Counter(), "hindsight": Counter(),
+        self._counts = {"choices": Counter(), "drafted": Counter(), "accepted": Counter(), "hindsight": 0,
                         "lookahead_steps": 0, "lookahead_tokens": 0, "lookahead_accepted": 0}
 
     def counters(self) -> dict:
         """This generation's decisions (steps, drafted and accepted tokens per drafter, look-ahead use) and the
-        current estimates (acceptance, latency fits ``[a, b]`` in seconds)."""
+        current estimates (acceptance, the near-free drafts' yields, latency fits in seconds)."""
         counts = self._counts
         keys = [NONE, PLD] + list(self.options)
         return {
@@ -629,20 +670,42 @@ class DyTCDrafter(Drafter):
             "accepted": {key: counts["accepted"][key] for key in keys if key != NONE},
             "lookahead": {"steps": counts["lookahead_steps"], "tokens": counts["lookahead_tokens"],
                           "accepted": counts["lookahead_accepted"]},
-            "hindsight_scored": {key: counts["hindsight"][key] for key, o in self.options.items() if o.hindsight},
+            "hindsight_scored": counts["hindsight"],
             "estimates": {
                 "acceptance": {key: round(est.value(self.step), 4) for key, est in self.acceptance.items()},
                 "pld_acceptance": {str(n): round(est.value(self.step), 4)
                                    for n, est in sorted(self.pld_acceptance.items())},
-                "pld_yield": {str(n): round(est.ratio(self.step), 4) for n, est in sorted(self.pld_yield.items())},
+                "near_free_yield": self._near_free_report(),
                 "lookahead_yield": round(self.lookahead_yield.ratio(self.step), 4),
                 "tree_yield": {key: round(y.ratio(self.step), 4) for key, y in self.tree_yield.items()},
-                "verify_latency_s": {"one_token": _rounded([self.single_latency.value])[0]
-                                     if self.single_latency.ready else None,
-                                     "line": _rounded(self.verify_latency.coefficients())},
+                "verify_latency_s": self._verify_report(),
                 "draft_latency_s": {key: _rounded(model.coefficients()) for key, model in self.draft_latency.items()},
             },
         }
+
+    REPORTED_TOKENS = (1, 2, 4, 8, 12, 16, 24, 32)
+
+    def _verify_report(self) -> dict | None:
+        """Predicted seconds of a target forward over n tokens at the latest context, for a few n."""
+        if not self.verify_cost.ready:
+            return None
+        curve = self.verify_cost.curve(self._context, max(self.REPORTED_TOKENS))
+        return {"context": self._context, "by_tokens": {str(n): _rounded([curve[n]])[0] for n in self.REPORTED_TOKENS}}
+
+    def _near_free_report(self) -> dict:
+        """Per prompt-lookup match class with records: expected accepted tokens per step of prompt lookup's chain
+        (at its full length) and of each recycling tree cut alone."""
+        report = {}
+        chain = self.lookup.num_tokens if self.lookup is not None else 0
+        for ngram in sorted(self.hindsight.records):
+            expected = self.hindsight.expected(self.step, ngram, chain)
+            entry = {"records": self.hindsight.count(self.step, ngram)}
+            if ngram and chain:
+                entry["pld"] = round(float(expected[0, chain]), 3)
+            if self.recycle is not None:
+                entry["recycle"] = {str(size): round(float(expected[i, 0]), 3) for i, size in enumerate(TREE_SIZES, 1)}
+            report[str(ngram)] = entry
+        return report
 
     def describe(self) -> dict:
         return {"name": self.name, "decay": self.decay, "window": self.window, "lookahead_tokens": self.lookahead_tokens,
@@ -666,9 +729,10 @@ def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max
     """The training-free hierarchy of CAS-Spec plus, optionally, a trained draft adapter:
 
     * prompt lookup (up to 10 tokens), also the bottom look-ahead;
-    * token recycling (``recycle``, `cats.draft.recycle`): trees of ``RECYCLE_TOKENS`` nodes read off the table of
-      the target's own recent candidates, near-free like prompt lookup (its table learns from every verification,
-      whichever option drafted);
+    * token recycling (``recycle``, `cats.draft.recycle`): trees read off the table of the target's own recent
+      candidates along a template of ``RECYCLE_TOKENS`` nodes, near-free like prompt lookup (its table learns from
+      every verification, whichever option drafted); each step verifies the cut of tree and lookup chain that
+      pays (module docstring);
     * for each sparsity s, a layer-skip drafter ``ls<s><pld`` whose own tokens prompt lookup proposes (vertical
       cascade); with two or more sparsities also ``ls<lowest><ls<highest><pld``, the densest drafter assisted by
       the sparsest;

@@ -51,6 +51,9 @@ class TreeTemplate:
                 for rank in range(candidates):
                     heapq.heappush(frontier, (score * rank_prior[rank], path + (rank,)))
         self.paths = sorted(chosen, key=lambda path: (len(path), path))
+        popped = {path: i for i, path in enumerate(chosen)}
+        self.priority = [popped[path] for path in self.paths]  # rank by prior probability: the first m form the
+        # template of m nodes, an ancestor-closed cut (a child is never more probable than its parent)
         index = {path: i for i, path in enumerate(self.paths)}
         self.parents = [index.get(path[:-1], -1) for path in self.paths]  # -1 = a child of x
         self.ranks = [path[-1] for path in self.paths]
@@ -78,11 +81,17 @@ class TokenRecyclingDrafter(Drafter):
         self.table = np.full((vocab_size, candidates), -1, dtype=np.int32)
 
     def propose(self, state: DecodeState, max_tokens: int) -> Proposal:
+        return self.propose_ranked(state, max_tokens)[0]
+
+    def propose_ranked(self, state: DecodeState, max_tokens: int) -> tuple[Proposal, list[int]]:
+        """The draft and each node's template priority (its rank by prior probability: the nodes of priority < m
+        are the draft a template of m nodes would have made)."""
         if max_tokens <= 0:
-            return Proposal.empty()
+            return Proposal.empty(), []
         template, table = self.template, self.table
         tokens: list[int] = []
         parents: list[int] = []
+        priority: list[int] = []
         placed = [-1] * len(template.paths)  # template node -> proposal node (-1: left out)
         x = state.token_ids[-1]
         for node, (parent, rank, depth) in enumerate(zip(template.parents, template.ranks, template.depths)):
@@ -96,7 +105,9 @@ class TokenRecyclingDrafter(Drafter):
             placed[node] = len(tokens)
             tokens.append(token)
             parents.append(-1 if parent < 0 else placed[parent])
-        return Proposal(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long))
+            priority.append(template.priority[node])
+        proposal = Proposal(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long))
+        return proposal, priority
 
     def take_target_logits(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """Refresh the table rows of ``tokens`` (``[n]``: x and the verified nodes) with the top candidates of the
@@ -107,6 +118,17 @@ class TokenRecyclingDrafter(Drafter):
     def describe(self) -> dict:
         return {"name": self.name, "total_tokens": self.total_tokens, "depth": self.template.depth,
                 "candidates": self.candidates}
+
+
+def cut(proposal: Proposal, keep: list[bool]) -> Proposal:
+    """The nodes of ``proposal``'s tree where ``keep`` is true (an ancestor-closed set), in their order."""
+    new_index, tokens, parents = {}, [], []
+    for node, (token, parent) in enumerate(zip(proposal.tokens.tolist(), proposal.parents.tolist())):
+        if keep[node]:
+            new_index[node] = len(tokens)
+            tokens.append(token)
+            parents.append(-1 if parent < 0 else new_index[parent])
+    return Proposal(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long))
 
 
 def graft(proposal: Proposal, chain: list[int]) -> Proposal:
