@@ -47,7 +47,7 @@ import torch
 
 from cats.draft.base import Proposal
 from cats.errors import InvalidArgumentError
-from cats.sampling import Sampler, exclude
+from cats.sampling import Sampler, exclude, greedy_tokens
 from cats.tree import greedy_path
 
 ACCEPTANCE_MODES = ("exact", "typical")
@@ -84,7 +84,7 @@ class GreedyAcceptance:
     draws_drafts = False  # drafters choose their tokens deterministically
 
     def accept(self, proposal: Proposal, target_logits: torch.Tensor, sampler: Sampler | None = None) -> Verdict:
-        predicted = target_logits.float().argmax(dim=-1).cpu()  # [k+1]; float: bf16 argmax is 3-4x slower on CPU
+        predicted = greedy_tokens(target_logits)  # [k+1]
         if proposal.is_tree:
             path = greedy_path(proposal.tokens, proposal.parents, predicted)
             return Verdict(accepted=path, next_token=int(predicted[path[-1] + 1 if path else 0]))

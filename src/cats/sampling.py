@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from cats.errors import InvalidArgumentError
@@ -140,8 +141,7 @@ class Sampler:
     def next_token(self, logits: torch.Tensor, position: int) -> int:
         """The token plain decoding chooses from ``logits`` ``[V]`` at ``position``: the argmax, or `token_at` of
         the warped distribution."""
-        # float(): the same first maximum, and 3-4x faster than a bf16 argmax on CPUs
-        return int(logits.float().argmax()) if self.greedy else self.token_at(self.probs(logits), position)
+        return int(greedy_tokens(logits)) if self.greedy else self.token_at(self.probs(logits), position)
 
     def describe(self) -> str:
         if self.greedy:
@@ -152,6 +152,17 @@ class Sampler:
         if self.top_k:
             parts.append(f"top-k {self.top_k}")
         return ", ".join(parts + [f"seed {self.seed}"])
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax over the last dimension (the first maximum on ties, as ``torch.argmax``), as a CPU long tensor.
+
+    On CPUs it goes through numpy, whose vectorised argmax is ~7x PyTorch's (float32 ``[9, 49152]``: 31 against
+    214 µs; bf16 is converted first, as a bf16 argmax is slower still): a per-step cost of every decoding method."""
+    if logits.device.type != "cpu":
+        return logits.argmax(dim=-1).cpu()
+    values = logits.detach().float().numpy()
+    return torch.from_numpy(np.asarray(values.argmax(axis=-1), dtype=np.int64))
 
 
 def _mix(seed: int, position: int) -> int:
