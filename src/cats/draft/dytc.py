@@ -71,7 +71,7 @@ import torch
 from cats.draft.base import DecodeState, Drafter, Proposal
 from cats.draft.prompt_lookup import LookupMatch, PromptLookupDrafter, lookup_match
 from cats.draft.hindsight import (TREE_SIZES, YIELD_DECAY, YIELD_WINDOW, HindsightRecord, HindsightYield, VerifyCost,
-                                  best_cut)
+                                  best_cut, rls_step)
 from cats.draft.recycle import TokenRecyclingDrafter, TreeTemplate, cut, graft
 from cats.errors import InvalidArgumentError
 from cats.tree import is_chain, verification_inputs
@@ -178,13 +178,7 @@ class LatencyModel:
             self.P0 = np.diag([1.0, max(self.slope_share, 0.05) ** 2]) * 10.0
             self.P = self.P0.copy()
         else:
-            y = seconds / self.scale
-            gain = self.P @ phi / (self.forgetting + phi @ self.P @ phi)
-            self.theta = self.theta + gain * (y - phi @ self.theta)
-            self.P = (self.P - np.outer(gain, phi @ self.P)) / self.forgetting
-            limit = 1e3 * np.trace(self.P0)
-            if np.trace(self.P) > limit:
-                self.P *= limit / np.trace(self.P)
+            self.theta, self.P = rls_step(self.theta, self.P, self.P0, phi, seconds / self.scale, self.forgetting)
         self.count += 1
 
     @property

@@ -134,6 +134,19 @@ class HindsightYield:
         return np.tensordot(weights, both, axes=1) / weights.sum()
 
 
+def rls_step(theta: np.ndarray, P: np.ndarray, P0: np.ndarray, phi: np.ndarray, y: float,
+             forgetting: float) -> tuple[np.ndarray, np.ndarray]:
+    """One recursive-least-squares update with forgetting of ``y ~ phi @ theta``; the covariance is capped at 1000x
+    the prior's trace, so that directions the data do not excite cannot wind up."""
+    gain = P @ phi / (forgetting + phi @ P @ phi)
+    theta = theta + gain * (y - phi @ theta)
+    P = (P - np.outer(gain, phi @ P)) / forgetting
+    limit = 1e3 * np.trace(P0)
+    if np.trace(P) > limit:
+        P = P * (limit / np.trace(P))
+    return theta, P
+
+
 def _relu(value: float) -> float:
     return value if value > 0 else 0.0
 
@@ -176,13 +189,7 @@ class VerifyCost:
             self.theta = np.zeros(self.FEATURES)
             self.theta[0] = 1.0
         else:
-            y = seconds / self.scale
-            gain = self.P @ phi / (self.forgetting + phi @ self.P @ phi)
-            self.theta = self.theta + gain * (y - phi @ self.theta)
-            self.P = (self.P - np.outer(gain, phi @ self.P)) / self.forgetting
-            limit = 1e3 * np.trace(self.P0)
-            if np.trace(self.P) > limit:
-                self.P *= limit / np.trace(self.P)
+            self.theta, self.P = rls_step(self.theta, self.P, self.P0, phi, seconds / self.scale, self.forgetting)
         self.count += 1
 
     def curve(self, context: int, max_n: int) -> np.ndarray:
@@ -213,5 +220,5 @@ def best_cut(expected: np.ndarray, tokens: np.ndarray, cost: np.ndarray) -> tupl
     return int(row), int(k), float(best)
 
 
-__all__ = ["HindsightRecord", "HindsightYield", "TREE_SIZES", "VerifyCost", "best_cut", "chain_accepts",
+__all__ = ["HindsightRecord", "HindsightYield", "TREE_SIZES", "VerifyCost", "best_cut", "chain_accepts", "rls_step",
            "tree_accepts"]
