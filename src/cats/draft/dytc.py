@@ -72,7 +72,7 @@ from cats.draft.base import DecodeState, Drafter, Proposal
 from cats.draft.prompt_lookup import LookupMatch, PromptLookupDrafter, lookup_match
 from cats.draft.hindsight import (TREE_SIZES, YIELD_DECAY, YIELD_WINDOW, HindsightRecord, HindsightYield, VerifyCost,
                                   best_cut, rls_step)
-from cats.draft.recycle import TokenRecyclingDrafter, TreeTemplate, cut, graft
+from cats.draft.recycle import TokenRecyclingDrafter, cut, graft
 from cats.errors import InvalidArgumentError
 from cats.tree import is_chain, verification_inputs
 
@@ -82,7 +82,15 @@ FORGETTING = 0.98  # latency fits
 # which prompt lookup never beats plain decoding is never measured (1-gram matches at 0.3 were never tried on
 # Spec-Bench, while their measured rate, where used, was ~0.5)
 PLD_PRIORS = {1: 0.5, 2: 0.6, 3: 0.7, 4: 0.75, 8: 0.9}
-MATCH_CLASSES = (1, 2, 3, 4, 8)  # a match is classed by how far back it holds: 1, 2, 3, 4-7 or 8+ tokens
+MATCH_CLASSES = tuple(PLD_PRIORS)  # a match is classed by how far back it holds: 1, 2, 3, 4-7 or 8+ tokens
+PLD_COST = 0.002  # a near-free draft's nominal cost per token, as a fraction of a one-token forward (token recycling's
+# option; the scheduler treats both near-free drafts as drafted anyway and charges them nothing)
+MAX_ALPHA = 0.98
+CURVE_TOKENS = 32  # the verification cost curve is predicted for up to this many tokens at once (more on demand)
+SINGLE_EVERY = 60  # steps: at least one plain-decoding step this often, so the one-token cost stays measured
+RECYCLE_TOKENS = max(TREE_SIZES)  # token recycling's template in DyTC; each step verifies the cut that pays
+RECYCLE_PRIOR = 0.5  # its per-token prior along the best path (optimistic, as for prompt lookup: measurement decides)
+NONE, PLD = "none", "pld"
 
 
 def match_class(match: LookupMatch) -> int:
@@ -92,13 +100,6 @@ def match_class(match: LookupMatch) -> int:
     if not match.ngram:
         return 0
     return max(c for c in MATCH_CLASSES if c <= match.length)
-PLD_COST = 0.002  # prompt lookup's prior cost per token, as a fraction of a one-token target forward
-MAX_ALPHA = 0.98
-CURVE_TOKENS = 32  # the verification cost curve is predicted for up to this many tokens at once (more on demand)
-SINGLE_EVERY = 60  # steps: at least one plain-decoding step this often, so the one-token cost stays measured
-RECYCLE_TOKENS = max(TREE_SIZES)  # token recycling's template in DyTC; each step verifies the cut that pays
-RECYCLE_PRIOR = 0.5  # its per-token prior along the best path (optimistic, as for prompt lookup: measurement decides)
-NONE, PLD = "none", "pld"
 
 
 def expected_accepted(alpha: float, k: int) -> float:
@@ -333,8 +334,9 @@ class DyTCDrafter(Drafter):
         self.pld_acceptance: dict[int, AcceptanceEstimate] = {}  # per-token rate (reports, the look-ahead)
         tree_prior = {}
         if self.recycle is not None:  # optimistic: the prior per-token rate along a cut's deepest path
+            template = self.recycle.drafter.template
             for size in TREE_SIZES:
-                depth = max(TreeTemplate(size, self.recycle.drafter.depth).depths)
+                depth = max(d for d, rank in zip(template.depths, template.priority) if rank < size)
                 tree_prior[size] = expected_accepted(self.recycle.prior_acceptance, depth)
         chain_prior = {n: expected_accepted(p, lookup.num_tokens if lookup else 1) for n, p in PLD_PRIORS.items()}
         self.hindsight = HindsightYield(tree_prior, chain_prior, yield_decay, yield_window)
@@ -346,7 +348,6 @@ class DyTCDrafter(Drafter):
         self._context = 0  # tokens in the cache when the current step was planned
         self._single_seen = 0  # the latest step that verified one token (no draft)
         self._curve: tuple | None = None  # ((fit count, context), `_verify_curve`)
-        self._free: _FreeDrafts | None = None
         self._state: DecodeState | None = None
         self._decision: _Decision | None = None
         self._reset_counters()
@@ -683,7 +684,7 @@ class DyTCDrafter(Drafter):
         """Predicted seconds of a target forward over n tokens at the latest context, for a few n."""
         if not self.verify_cost.ready:
             return None
-        curve = self.verify_cost.curve(self._context, max(self.REPORTED_TOKENS))
+        curve = self._verify_curve(max(self.REPORTED_TOKENS))
         return {"context": self._context, "by_tokens": {str(n): _rounded([curve[n]])[0] for n in self.REPORTED_TOKENS}}
 
     def _near_free_report(self) -> dict:

@@ -44,12 +44,6 @@ def lookup_continuation(token_ids: np.ndarray, max_ngram: int, min_ngram: int, n
     return lookup_match(token_ids, max_ngram, min_ngram, num_tokens).tokens
 
 
-def lookup_with_ngram(token_ids: np.ndarray, max_ngram: int, min_ngram: int, num_tokens: int) -> tuple[np.ndarray, int]:
-    """`lookup_continuation` and the length n of the n-gram that matched (0 when nothing matched)."""
-    match = lookup_match(token_ids, max_ngram, min_ngram, num_tokens)
-    return match.tokens, match.ngram
-
-
 def lookup_match(token_ids: np.ndarray, max_ngram: int, min_ngram: int, num_tokens: int,
                  extend: int = MATCH_EXTEND) -> LookupMatch:
     """`lookup_continuation` with the matched n-gram length and the match's full length (up to ``extend``)."""
