@@ -14,7 +14,8 @@ from cats.draft import LayerSkipDrafter, PromptLookupDrafter, SkipSet, make_draf
 from cats.draft.base import DecodeState, Drafter, Proposal
 from cats.draft.dytc import (AcceptanceEstimate, DraftOption, DyTCDrafter, LatencyModel, WindowedAverage,
                              expected_accepted, match_class)
-from cats.draft.hindsight import TREE_SIZES, HindsightRecord, HindsightYield, VerifyCost, best_cut
+from cats.draft.hindsight import TREE_SIZES, HindsightRecord, HindsightYield, best_cut
+from cats.draft.verify_cost import CostShape, VerifyCost, measure_shape
 from cats.draft.prompt_lookup import LookupMatch
 from cats.errors import InvalidArgumentError
 from cats.generate import GenerationConfig, Generator
@@ -58,25 +59,51 @@ def test_recursive_least_squares_recovers_a_linear_cost():
     assert constant.predict(3) == pytest.approx(0.013, rel=1e-3) and constant.coefficients()[1] > 0
 
 
-def test_verify_cost_learns_a_piecewise_cost_with_a_context_term():
-    """Flat up to 4 tokens, 1 ms per token beyond, and attention growing with the context and the token count."""
-    def truth(n, context):
-        return 0.020 + 0.001 * max(n - 4, 0) + 0.004 * context / 1000 + 0.0005 * (n - 1) * context / 1000
+def test_verify_cost_scales_the_measured_shape_and_learns_the_context_term():
+    """The shape in n is measured at a short context; online, the fit follows a slower machine, a fixed overhead per
+    step and attention that grows with the context and the token count, for sizes it never observed too."""
+    def forward(n, context):  # flat up to 4 tokens, 1 ms per token beyond; attention 4 ms + 0.5 ms per token per 1k
+        return 0.020 + 0.001 * max(n - 4, 0) + 0.004 * context / 1000 + 0.0005 * n * context / 1000
 
-    cost = VerifyCost(forgetting=0.99)
-    assert not cost.ready
+    shape = CostShape.of({n: forward(n, 64) for n in (1, 2, 4, 8, 16, 32)}, context=64)
+    cost = VerifyCost(forgetting=0.99, shape=shape)
+    assert cost.ready and cost.predict(16, 64) == pytest.approx(forward(16, 64))  # the measurement is the prior
+    assert cost.predict(20, 64) == pytest.approx(forward(20, 64))  # linear in between measured sizes
+
+    def truth(n, context):  # the machine is 30 % slower now, and each step pays 2 ms of bookkeeping
+        return 1.3 * forward(n, context) + 0.002
+
     rng = random.Random(1)
-    for step in range(600):
-        n, context = rng.choice([1, 2, 3, 4, 6, 8, 11, 13, 16, 20]), rng.choice([50, 300, 800, 1500])
+    for _ in range(600):  # only small sizes observed
+        n, context = rng.choice([1, 2, 3, 5, 8]), rng.choice([50, 300, 800, 1500])
         cost.observe(n, context, truth(n, context) * (1 + rng.gauss(0, 0.01)))
-    for n in (1, 4, 8, 16):
+    for n in (1, 4, 8, 16, 32):
         for context in (100, 1000):
             assert cost.predict(n, context) == pytest.approx(truth(n, context), rel=0.05), (n, context)
-    curve = cost.curve(500, 24)
+    cost.observe(16, 1000, 10.0)  # one step descheduled by the OS: clipped to 1.5x the prediction
+    assert cost.predict(16, 1000) == pytest.approx(truth(16, 1000), rel=0.15)
+    curve = cost.curve(500, 40)
     assert all(b >= a for a, b in zip(curve[1:], curve[2:]))  # more tokens never cost less
     fresh = VerifyCost()
     fresh.observe(1, 100, 0.030)
-    assert fresh.predict(12, 100) == pytest.approx(0.030)  # the prior is flat: untried sizes look as cheap
+    assert fresh.predict(12, 100) == pytest.approx(0.030)  # unmeasured: flat, untried sizes look as cheap
+
+
+def test_cost_shapes_are_made_non_decreasing_from_the_right():
+    shape = CostShape.of({1: 0.020, 2: 0.026, 4: 0.021, 8: 0.030}, context=10)
+    assert shape.seconds == pytest.approx((0.020, 0.021, 0.021, 0.030))  # 2 tokens measured slow: a timing spike
+    assert shape.relative([1, 3, 8, 12]).tolist() == pytest.approx([1.0, 1.05, 1.5, 1.95])  # beyond: the last slope
+    with pytest.raises(ValueError):
+        CostShape((2, 4), (0.01, 0.02))
+
+
+def test_measure_shape_times_every_size_on_the_model():
+    model = tiny_model("llama")
+    ticks = iter(range(10_000))
+    shape = measure_shape(model, sizes=(1, 2, 4), context=8, repeats=2, clock=lambda: float(next(ticks)))
+    assert shape.tokens == (1, 2, 4) and shape.context == 8
+    assert shape.seconds == (1.0, 1.0, 1.0)  # each timed call reads the clock twice: one tick per forward
+    assert shape.measure_s > 0
 
 
 def test_hindsight_records_score_every_cut_once_decided():
@@ -201,17 +228,22 @@ def test_scheduler_drafts_nothing_when_no_drafter_pays():
 
 def test_a_cheap_one_token_forward_is_not_extrapolated_from_the_line():
     """On CPUs a one-token forward can cost far less than the line through multi-token verifications predicts; the
-    scheduler measures it separately, so a drafter that would only beat the extrapolated cost is not used."""
+    measured shape holds it, so a drafter that would only beat the extrapolated cost is not used."""
+    def target_shape(single):  # what `measure_shape` measures on `simulate`'s target
+        return CostShape.of({1: single} | {n: 0.01 + 0.001 * n for n in (2, 16)})
+
     clock = FakeClock()
     free = FakeDrafter(clock, cost=0.0)
-    dytc = DyTCDrafter([DraftOption("free", free, 8, prior_acceptance=0.5, prior_cost=0.0)], lookup=None, clock=clock)
+    dytc = DyTCDrafter([DraftOption("free", free, 8, prior_acceptance=0.5, prior_cost=0.0)], lookup=None, clock=clock,
+                       verify_shape=target_shape(0.005))
     chosen = simulate(dytc, clock, {"free": 0.5}, steps=200, single=0.005)
     late = [key for key, *_ in chosen[50:]]
     assert late.count("none") > 0.85 * len(late)
     assert dytc.counters()["estimates"]["verify_latency_s"]["by_tokens"]["1"] == pytest.approx(0.005, rel=0.05)
     # the same target with an expensive one-token forward: drafting pays and is chosen
     clock = FakeClock()
-    dytc = DyTCDrafter([DraftOption("free", FakeDrafter(clock, 0.0), 8, 0.5, 0.0)], lookup=None, clock=clock)
+    dytc = DyTCDrafter([DraftOption("free", FakeDrafter(clock, 0.0), 8, 0.5, 0.0)], lookup=None, clock=clock,
+                       verify_shape=target_shape(0.011))
     late = [key for key, *_ in simulate(dytc, clock, {"free": 0.5}, steps=200, single=0.011)[50:]]
     assert late.count("free") > 0.6 * len(late)  # not always: a run of rejections can bench it for 20 steps
 
@@ -239,8 +271,8 @@ def test_prompt_lookup_length_follows_its_hindsight_yield():
     drafts all it found (a geometric per-token rate would cut the draft short); when they never held, plain decoding
     is faster."""
     dytc = DyTCDrafter([], lookup=PromptLookupDrafter(num_tokens=10), clock=FakeClock())
-    for n in range(1, 12):  # verifying n tokens: 40 ms + 2 ms per token beyond the first
-        dytc.verify_cost.observe(n, 100, 0.040 + 0.002 * (n - 1))
+    # verifying n tokens: 40 ms + 2 ms per token beyond the first
+    dytc.verify_cost = VerifyCost(shape=CostShape.of({n: 0.040 + 0.002 * (n - 1) for n in (1, 11)}, context=100))
     dytc._context = 100
     for step, accepted in enumerate([10, 0] * 5, start=1):
         dytc.step = step
@@ -263,8 +295,8 @@ def test_recycling_is_cut_to_the_size_that_pays():
     recycle = TokenRecyclingDrafter(model.vocab_size, total_tokens=16, depth=6)
     dytc = DyTCDrafter([DraftOption("recycle", recycle, 16, 0.5, 0.0, tree=True, hindsight=True)],
                        lookup=PromptLookupDrafter(num_tokens=4), clock=FakeClock())
-    for n in range(1, 20):  # flat up to 5 tokens, then 5 ms per token
-        dytc.verify_cost.observe(n, 10, 0.030 + 0.005 * max(n - 5, 0))
+    # flat up to 5 tokens, then 5 ms per token
+    dytc.verify_cost = VerifyCost(shape=CostShape.of({n: 0.030 + 0.005 * max(n - 5, 0) for n in (1, 5, 20)}, context=10))
     for step in range(1, 21):  # every cut accepts up to 1 token, the cuts of 4 and more nodes 2
         dytc.step = step
         dytc.hindsight.observe(step, 0, np.array([1, 1, 1, 2, 2, 2, 2, 2], dtype=float), 0)

@@ -29,11 +29,13 @@ Estimates (all online):
   estimate. The prior (layer skip: the calibrated agreement; an adapter: its held-out agreement) enters as one
   pseudo-observation older than all others, and is all that is left when a drafter went unused for 20 steps: a
   drafter with a good prior is tried again then (exploration). Model trees track their accepted tokens per step;
-* latency: the target forward over n tokens after T cached ones (`cats.draft.hindsight.VerifyCost`: recursive
-  least squares with forgetting 0.98, piecewise linear in n -- on CPUs a few tokens cost about what one does, then
-  each adds compute -- with an attention term in T), timed between `propose` and `observe` on every step; its prior
-  is flat, so untried sizes get tried, and a plain one-token step is taken at least every 60 steps so that the
-  cheap end stays measured. Each model drafter's time ``a + b * k`` by the same least squares over the time spent
+* latency: the target forward over n tokens after T cached ones (`cats.draft.verify_cost`): its shape in n is
+  measured once when the drafter is made (a forward over 1..32 tokens; on CPUs a few tokens cost about what one
+  does, then each adds compute), and scaled online by recursive least squares with forgetting 0.98, with an
+  attention term in T, from the time between `propose` and `observe` of every step. (A curve fitted online alone
+  trapped itself: sizes it once judged slow were never tried again.) Without a measured shape (layers streamed
+  from disk) it is flat, so untried sizes get tried, and a plain one-token step is taken at least every 60 steps so
+  that the cheap end stays measured. Each model drafter's time ``a + b * k`` by the same least squares over the time spent
   in its `propose`; each is tried once (at length 2) as soon as a verification was timed, so that its cost is
   measured rather than assumed. Estimates persist across generations (and the questions of a `cats bench` run).
 
@@ -70,8 +72,8 @@ import torch
 
 from cats.draft.base import DecodeState, Drafter, Proposal
 from cats.draft.prompt_lookup import LookupMatch, PromptLookupDrafter, lookup_match
-from cats.draft.hindsight import (TREE_SIZES, YIELD_DECAY, YIELD_WINDOW, HindsightRecord, HindsightYield, VerifyCost,
-                                  best_cut, rls_step)
+from cats.draft.hindsight import TREE_SIZES, YIELD_DECAY, YIELD_WINDOW, HindsightRecord, HindsightYield, best_cut
+from cats.draft.verify_cost import CostShape, VerifyCost, measure_shape, rls_step
 from cats.draft.recycle import TokenRecyclingDrafter, cut, graft
 from cats.errors import InvalidArgumentError
 from cats.tree import is_chain, verification_inputs
@@ -280,6 +282,8 @@ class DyTCDrafter(Drafter):
         lookahead_tokens: longest prompt-lookup continuation attached after a model drafter's chain (0: none).
         decay, window: the acceptance moving average (CAS-Spec: 0.7, 20 steps).
         clock: a monotonic clock in seconds (tests pass a fake one).
+        verify_shape: the measured cost of a target forward over 1..n tokens (`cats.draft.verify_cost.measure_shape`;
+            None: flat until measured online).
     """
 
     name = "dytc"
@@ -287,7 +291,8 @@ class DyTCDrafter(Drafter):
     def __init__(self, options: Sequence[DraftOption], lookup: PromptLookupDrafter | None = None,
                  lookahead_tokens: int = 4, decay: float = DECAY, window: int = WINDOW,
                  forgetting: float = FORGETTING, clock: Callable[[], float] = time.perf_counter, features=None,
-                 yield_decay: float = YIELD_DECAY, yield_window: int = YIELD_WINDOW):
+                 yield_decay: float = YIELD_DECAY, yield_window: int = YIELD_WINDOW,
+                 verify_shape: CostShape | None = None):
         if not options and lookup is None:
             raise InvalidArgumentError("DyTC needs at least one drafter (prompt lookup or a model drafter)")
         keys = [option.key for option in options]
@@ -341,7 +346,7 @@ class DyTCDrafter(Drafter):
         chain_prior = {n: expected_accepted(p, lookup.num_tokens if lookup else 1) for n, p in PLD_PRIORS.items()}
         self.hindsight = HindsightYield(tree_prior, chain_prior, yield_decay, yield_window)
         self.lookahead_yield = WindowedAverage(0.0, decay, window)
-        self.verify_cost = VerifyCost(forgetting)  # a target forward over n tokens after T cached ones
+        self.verify_cost = VerifyCost(forgetting, verify_shape)  # a target forward over n tokens after T cached ones
         self.draft_latency = {key: LatencyModel(0.05, forgetting) for key, o in self.options.items() if not o.hindsight}
         self.step = 0
         self._records: deque[HindsightRecord] = deque()  # near-free drafts, scored once the tokens cover them
@@ -441,8 +446,8 @@ class DyTCDrafter(Drafter):
         grafted in: ``(recycle, k, graft)``), or a model drafter at length k. Without ``free``, prompt lookup offers
         ``lookup_tokens`` tokens from an ``ngram``-token match and recycling nothing. Ties go to the earlier
         candidate: the near-free drafts (fewer tokens first), then model options in order, shorter."""
-        if self.verify_cost.ready and self.step - self._single_seen > SINGLE_EVERY:
-            return NONE, 0, 0  # the cost prior is flat (optimistic for more tokens, not for fewer): measure one token
+        if self.verify_cost.shape is None and self.verify_cost.ready and self.step - self._single_seen > SINGLE_EVERY:
+            return NONE, 0, 0  # a flat prior is optimistic for more tokens, not for fewer: measure one token
         if self.verify_cost.ready:
             for key, option in self.options.items():  # try every model drafter once, so its cost is measured
                 if not option.hindsight and not self.draft_latency[key].ready and min(option.max_tokens,
@@ -647,6 +652,7 @@ class DyTCDrafter(Drafter):
         """A new generation: its counters start at zero (the estimates carry over)."""
         self._state, self._decision = state, None
         self._records.clear()
+        self.hindsight.begin()
         self._buffer, self._held = np.empty(0, dtype=np.int64), 0
         self._reset_counters()
 
@@ -685,7 +691,9 @@ class DyTCDrafter(Drafter):
         if not self.verify_cost.ready:
             return None
         curve = self._verify_curve(max(self.REPORTED_TOKENS))
-        return {"context": self._context, "by_tokens": {str(n): _rounded([curve[n]])[0] for n in self.REPORTED_TOKENS}}
+        shape = self.verify_cost.shape
+        return {"context": self._context, "by_tokens": {str(n): _rounded([curve[n]])[0] for n in self.REPORTED_TOKENS},
+                "measured_shape": shape.to_dict() if shape is not None else None}
 
     def _near_free_report(self) -> dict:
         """Per prompt-lookup match class with records: expected accepted tokens per step of prompt lookup's chain
@@ -790,7 +798,10 @@ def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max
         options.append(DraftOption("eagle-chain", FeatureShape(core, 1, limit, limit), limit, prior, cost))
         options.append(DraftOption("eagle", FeatureShape(core, tree_topk, total_tokens, depth), total_tokens, prior,
                                    cost * expanded, tree=True))
-    return DyTCDrafter(options, lookup=lookup, lookahead_tokens=lookahead_tokens, features=core)
+    # the verification cost's shape in n, measured now (~0.7 s for SmolLM2); flat for layers streamed from disk,
+    # where a forward costs about the same for any n and measuring would stream every layer 30 times
+    shape = measure_shape(model) if getattr(model, "weights", None) is None else None
+    return DyTCDrafter(options, lookup=lookup, lookahead_tokens=lookahead_tokens, features=core, verify_shape=shape)
 
 
 def _rounded(values: list[float] | None) -> list[float] | None:

@@ -13,9 +13,9 @@ committed tokens. So every step yields one `HindsightRecord` for every size the 
   of trees is the longer of theirs, ``max(tree(m), min(k, a))``.
 
 `HindsightYield` keeps the records of recent steps per prompt-lookup match class (0: no match; 1-, 2-, 3-gram) and
-answers, for the current step's class, the expected accepted tokens of every (m, k) at once. `VerifyCost` predicts
-the seconds of a target forward over n tokens after a context of T tokens, fitted online; the scheduler then picks
-the (m, k) with the most expected tokens per predicted second (`best_cut`).
+answers, for the current step's class, the expected accepted tokens of every (m, k) at once. With the
+cost of verifying n tokens (`cats.draft.verify_cost`), the scheduler then picks the (m, k) with the most expected
+tokens per predicted second (`best_cut`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ YIELD_DECAY, YIELD_WINDOW = 0.9, 60  # per match class: the newest record weighs
 # curve over (cut, length) chosen by its maximum, which a handful of records would make a noisy choice (measured on
 # 24 Spec-Bench questions outside the evaluation set: 0.9 / 60 beat 0.7 / 20 in float32 and bfloat16), and the
 # bursts of prompt lookup are told apart by the match classes (a loop matches far back) rather than by recency
+
+
+CARRY = 1.0  # weight of an earlier generation's records, relative (see `HindsightYield.begin`)
 
 
 def tree_accepts(tokens: list[int], parents: list[int], committed: list[int]) -> list[int]:
@@ -96,16 +99,21 @@ class HindsightYield:
     guesses, so each option is tried: measurement decides)."""
 
     def __init__(self, tree_prior: dict[int, float] | None = None, chain_prior: dict[int, float] | None = None,
-                 decay: float = YIELD_DECAY, window: int = YIELD_WINDOW):
-        self.decay, self.window = decay, window
+                 decay: float = YIELD_DECAY, window: int = YIELD_WINDOW, carry: float = CARRY):
+        self.decay, self.window, self.carry = decay, window, carry
+        self.generation = 0
         self.tree_prior = np.array([(tree_prior or {}).get(size, 0.0) for size in TREE_SIZES])
         self.chain_prior = dict(chain_prior or {})
-        self.records: dict[int, deque[tuple[int, np.ndarray, int]]] = {}  # (step, tree cuts, chain)
+        self.records: dict[int, deque[tuple[int, np.ndarray, int, int]]] = {}  # (step, tree cuts, chain, generation)
+
+    def begin(self) -> None:
+        """A new generation: earlier generations' records weigh ``carry`` times as much from now on."""
+        self.generation += 1
 
     def observe(self, step: int, ngram: int, tree: np.ndarray, chain: int) -> None:
-        self.records.setdefault(ngram, deque()).append((step, np.asarray(tree, dtype=float), chain))
+        self.records.setdefault(ngram, deque()).append((step, np.asarray(tree, dtype=float), chain, self.generation))
 
-    def _recent(self, step: int, ngram: int) -> list[tuple[int, np.ndarray, int]]:
+    def _recent(self, step: int, ngram: int) -> list[tuple[int, np.ndarray, int, int]]:
         records = self.records.get(ngram)
         if records is None:
             return []
@@ -120,92 +128,20 @@ class HindsightYield:
         """``[1 + len(TREE_SIZES), max_chain + 1]``: row 0 = no tree, row i = the tree cut to ``TREE_SIZES[i-1]``
         nodes; column k = the chain's first k tokens; entry = expected accepted tokens per step (records of the
         last ``window`` steps at ``step``)."""
-        recorded = [(tree, chain) for _, tree, chain in self._recent(step, ngram)]
+        recorded = self._recent(step, ngram)
         trees = np.zeros((len(recorded) + 1, 1 + len(TREE_SIZES)))
         chains = np.zeros(len(recorded) + 1)
         trees[0, 1:] = self.tree_prior  # the prior: the oldest record
         chains[0] = self.chain_prior.get(ngram, 0.0) if ngram else 0.0
-        for i, (tree, chain) in enumerate(recorded, start=1):
-            trees[i, 1:], chains[i] = tree, chain
+        earlier = np.zeros(len(recorded) + 1, dtype=bool)
+        for i, (_, tree, chain, generation) in enumerate(recorded, start=1):
+            trees[i, 1:], chains[i], earlier[i] = tree, chain, generation < self.generation
         weights = self.decay ** np.arange(len(recorded), -1, -1, dtype=float)  # newest last, weight 1
+        weights[1:] *= np.where(earlier[1:], self.carry, 1.0)
         lengths = np.arange(max_chain + 1)
         chain_part = np.minimum(chains[:, None], lengths[None, :])  # [records, k]
         both = np.maximum(trees[:, :, None], chain_part[:, None, :])  # [records, cuts, k]
         return np.tensordot(weights, both, axes=1) / weights.sum()
-
-
-def rls_step(theta: np.ndarray, P: np.ndarray, P0: np.ndarray, phi: np.ndarray, y: float,
-             forgetting: float) -> tuple[np.ndarray, np.ndarray]:
-    """One recursive-least-squares update with forgetting of ``y ~ phi @ theta``; the covariance is capped at 1000x
-    the prior's trace, so that directions the data do not excite cannot wind up."""
-    gain = P @ phi / (forgetting + phi @ P @ phi)
-    theta = theta + gain * (y - phi @ theta)
-    P = (P - np.outer(gain, phi @ P)) / forgetting
-    limit = 1e3 * np.trace(P0)
-    if np.trace(P) > limit:
-        P = P * (limit / np.trace(P))
-    return theta, P
-
-
-def _relu(value: float) -> float:
-    return value if value > 0 else 0.0
-
-
-class VerifyCost:
-    """Seconds of one target forward over n tokens with T tokens in the cache, by recursive least squares with
-    forgetting over the features ``[1, n == 1, n - 1, (n - 4)+, (n - 8)+, (n - 16)+, T, T (n - 1)]`` (T in
-    thousands): piecewise linear in n with hinges where CPU kernels change regime (a one-token forward runs
-    matrix-vector kernels, a few tokens cost about as much as one, beyond that each token adds compute), and an
-    attention term growing with the context and with n.
-
-    Fitted in units of the first observation; the prior is a flat cost (every hinge slope 0), optimistic on
-    purpose: a size never verified looks as cheap as the ones measured, gets tried, and is then measured.
-    Predictions are made non-decreasing in n (more tokens never cost less)."""
-
-    FEATURES = 8
-
-    def __init__(self, forgetting: float = 0.98):
-        self.forgetting = forgetting
-        self.scale: float | None = None
-        self.theta = np.zeros(self.FEATURES)
-        self.P0 = np.diag([1.0, 0.1, 0.01, 0.01, 0.01, 0.01, 0.1, 0.01]) * 10.0
-        self.P = self.P0.copy()
-        self.count = 0
-
-    @staticmethod
-    def features(n: int, context: int) -> np.ndarray:
-        t = context / 1000.0
-        return np.array([1.0, 1.0 if n == 1 else 0.0, n - 1.0, _relu(n - 4.0), _relu(n - 8.0), _relu(n - 16.0), t,
-                         t * (n - 1.0)])
-
-    @property
-    def ready(self) -> bool:
-        return self.scale is not None
-
-    def observe(self, n: int, context: int, seconds: float) -> None:
-        phi = self.features(n, context)
-        if self.scale is None:
-            self.scale = max(seconds, 1e-9)
-            self.theta = np.zeros(self.FEATURES)
-            self.theta[0] = 1.0
-        else:
-            self.theta, self.P = rls_step(self.theta, self.P, self.P0, phi, seconds / self.scale, self.forgetting)
-        self.count += 1
-
-    def curve(self, context: int, max_n: int) -> np.ndarray:
-        """Predicted seconds for n = 0..max_n (entry 0 unused), non-decreasing in n, at least a microsecond."""
-        n = np.arange(1, max_n + 1, dtype=float)
-        t = context / 1000.0
-        rows = np.stack([np.ones_like(n), (n == 1).astype(float), n - 1, np.maximum(n - 4, 0), np.maximum(n - 8, 0),
-                         np.maximum(n - 16, 0), np.full_like(n, t), t * (n - 1)], axis=1)  # = `features`, per row
-        seconds = np.maximum.accumulate(np.maximum(rows @ self.theta * self.scale, 1e-6))
-        return np.concatenate([[seconds[0]], seconds])
-
-    def predict(self, n: int, context: int) -> float:
-        return float(self.curve(context, n)[n])
-
-    def coefficients(self) -> list[float] | None:
-        return None if self.scale is None else [float(c * self.scale) for c in self.theta]
 
 
 def best_cut(expected: np.ndarray, tokens: np.ndarray, cost: np.ndarray) -> tuple[int, int, float]:
@@ -220,5 +156,4 @@ def best_cut(expected: np.ndarray, tokens: np.ndarray, cost: np.ndarray) -> tupl
     return int(row), int(k), float(best)
 
 
-__all__ = ["HindsightRecord", "HindsightYield", "TREE_SIZES", "VerifyCost", "best_cut", "chain_accepts", "rls_step",
-           "tree_accepts"]
+__all__ = ["HindsightRecord", "HindsightYield", "TREE_SIZES", "best_cut", "chain_accepts", "tree_accepts"]

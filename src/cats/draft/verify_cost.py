@@ -1,0 +1,178 @@
+"""What verifying n tokens costs: a target forward over n tokens after T cached ones, measured once, tracked online.
+
+DyTC divides expected tokens by predicted seconds, so the prediction must hold for every token count it might
+choose, including those it rarely chooses. A cost curve fitted only online traps itself: a pessimistic estimate for
+a size seldom verified (one slow step is enough) is never corrected, because that size is then never chosen. On 48
+Spec-Bench questions the online fit ended at 102 ms for 16 tokens, where 16 tokens cost ~40 ms, and DyTC cut prompt
+lookup's chains to 7 tokens in long copies that `pld` verified 10 at a time.
+
+So the curve's *shape* in n is measured up front (`measure_shape`, once per model load: SmolLM2-135M bf16 takes
+~0.7 s): a forward plus the head over n = 1..32 tokens after a short context, the fastest of two runs per size.
+Online, `VerifyCost` fits by recursive least squares with forgetting only what the shape cannot know:
+
+    seconds(n, T) = s1 * (a * shape(n) + b + c * n * dT + d * dT),    dT = (T - T0) / 1000
+
+(``s1``: the measured one-token time, ``T0``: the context it was measured at): ``a`` and ``b`` follow the machine's
+speed and the decode loop's overhead, ``c`` and ``d`` the attention over a longer context (measured on SmolLM2 bf16:
+about 1 ms per query token and 4 ms per forward per 1000 cached tokens). Every step informs all four, whatever n it
+verified, so no size can fall into a trap. An observation is clipped to [2/3, 3/2] times the prediction before the
+update: one step descheduled by the OS must not move the curve. Predictions are non-decreasing in n.
+
+Without a measured shape (a model that streams its layers from disk, where a forward costs about the same for any n;
+or tests), the shape is flat: optimistic for more tokens, and the fit's scale comes from the first observation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+CALIBRATION_SIZES = (1, 2, 4, 6, 8, 10, 12, 16, 32)  # token counts measured (linear in between, and beyond)
+CALIBRATION_CONTEXT = 64  # cached tokens (random) when measuring
+CALIBRATION_REPEATS = 2  # runs per size: the fastest counts (timing noise on a CPU only ever adds)
+CLIP = 1.5  # an observation counts as at most CLIP times, and at least 1 / CLIP times, the prediction
+
+
+@dataclass(frozen=True)
+class CostShape:
+    """Measured seconds of a forward plus head over ``tokens[i]`` tokens after ``context`` cached ones."""
+
+    tokens: tuple[int, ...]  # ascending, starting at 1
+    seconds: tuple[float, ...]  # non-decreasing
+    context: int = 0
+    measure_s: float = 0.0  # wall time the measurement took
+
+    def __post_init__(self):
+        if not self.tokens or self.tokens[0] != 1 or list(self.tokens) != sorted(set(self.tokens)):
+            raise ValueError(f"a cost shape needs ascending distinct token counts from 1, got {self.tokens}")
+        if len(self.seconds) != len(self.tokens) or min(self.seconds) <= 0:
+            raise ValueError("a cost shape needs one positive time per token count")
+
+    @classmethod
+    def flat(cls) -> "CostShape":
+        return cls((1,), (1.0,))
+
+    @classmethod
+    def of(cls, seconds: dict[int, float], context: int = 0, measure_s: float = 0.0) -> "CostShape":
+        """From measured times per token count: made non-decreasing from the right (a size that measured slower
+        than a larger one takes the larger one's time: noise only ever adds)."""
+        tokens = sorted(seconds)
+        values = np.minimum.accumulate(np.array([seconds[n] for n in tokens], dtype=float)[::-1])[::-1]
+        return cls(tuple(int(n) for n in tokens), tuple(float(v) for v in values), context, measure_s)
+
+    @property
+    def single(self) -> float:
+        return self.seconds[0]
+
+    def relative(self, n: np.ndarray) -> np.ndarray:
+        """Time of n tokens in units of one token's: linear between measured sizes, beyond the largest at the slope
+        of the last two (flat if only one was measured)."""
+        n = np.asarray(n, dtype=float)
+        tokens, seconds = np.asarray(self.tokens, dtype=float), np.asarray(self.seconds) / self.single
+        inside = np.interp(n, tokens, seconds)
+        if len(tokens) < 2:
+            return inside
+        slope = (seconds[-1] - seconds[-2]) / (tokens[-1] - tokens[-2])
+        return np.where(n > tokens[-1], seconds[-1] + slope * (n - tokens[-1]), inside)
+
+    def to_dict(self) -> dict:
+        return {"context": self.context, "measure_s": round(self.measure_s, 3),
+                "by_tokens": {str(n): round(s, 5) for n, s in zip(self.tokens, self.seconds)}}
+
+
+@torch.inference_mode()
+def measure_shape(model, sizes: Sequence[int] = CALIBRATION_SIZES, context: int = CALIBRATION_CONTEXT,
+                  repeats: int = CALIBRATION_REPEATS, seed: int = 0,
+                  clock: Callable[[], float] = time.perf_counter) -> CostShape:
+    """Time the target's forward plus head over each of ``sizes`` tokens after ``context`` cached random tokens, in
+    a cache of its own (a few MB), sizes interleaved over ``repeats`` rounds, after an untimed warm-up forward."""
+    began = clock()
+    generator = torch.Generator().manual_seed(seed)
+    low = min(100, model.vocab_size - 1)
+
+    def tokens(count: int) -> torch.Tensor:
+        return torch.randint(low, model.vocab_size, (count,), generator=generator)
+
+    cache = model.new_cache(capacity=context + max(sizes))
+    model.forward_layers(model.embed(tokens(context)), 0, model.num_layers, cache)
+    model.head(model.forward_layers(model.embed(tokens(max(sizes))), 0, model.num_layers, cache)[0])
+    cache.crop(context)
+    best: dict[int, float] = {}
+    for _ in range(repeats):
+        for n in sizes:
+            hidden = model.embed(tokens(n))
+            start = clock()
+            model.head(model.forward_layers(hidden, 0, model.num_layers, cache)[0])
+            best[n] = min(clock() - start, best.get(n, float("inf")))
+            cache.crop(context)
+    return CostShape.of(best, context, clock() - began)
+
+
+def rls_step(theta: np.ndarray, P: np.ndarray, P0: np.ndarray, phi: np.ndarray, y: float,
+             forgetting: float) -> tuple[np.ndarray, np.ndarray]:
+    """One recursive-least-squares update with forgetting of ``y ~ phi @ theta``; the covariance is capped at 1000x
+    the prior's trace, so that directions the data do not excite cannot wind up."""
+    gain = P @ phi / (forgetting + phi @ P @ phi)
+    theta = theta + gain * (y - phi @ theta)
+    P = (P - np.outer(gain, phi @ P)) / forgetting
+    limit = 1e3 * np.trace(P0)
+    if np.trace(P) > limit:
+        P = P * (limit / np.trace(P))
+    return theta, P
+
+
+class VerifyCost:
+    """Seconds of one target forward over n tokens with T tokens in the cache (module docstring): the measured
+    ``shape`` scaled and shifted online, plus an attention term in the context."""
+
+    FEATURES = 4
+    PRIOR = (1.0, 0.0, 0.0, 0.0)
+
+    def __init__(self, forgetting: float = 0.98, shape: CostShape | None = None):
+        self.forgetting = forgetting
+        self.shape = shape
+        self._shape = shape or CostShape.flat()
+        self.scale: float | None = shape.single if shape is not None else None
+        self.theta = np.array(self.PRIOR)
+        self.P0 = np.diag([0.1, 0.01, 0.01, 0.1])
+        self.P = self.P0.copy()
+        self.count = 0
+
+    def _rows(self, n: np.ndarray, context: int) -> np.ndarray:
+        n = np.asarray(n, dtype=float)
+        delta = (context - self._shape.context) / 1000.0
+        return np.stack([self._shape.relative(n), np.ones_like(n), n * delta, np.full_like(n, delta)], axis=-1)
+
+    @property
+    def ready(self) -> bool:
+        return self.scale is not None
+
+    def observe(self, n: int, context: int, seconds: float) -> None:
+        if self.scale is None:
+            self.scale = max(seconds, 1e-9)
+        phi = self._rows(np.array(float(n)), context)
+        predicted = max(float(phi @ self.theta), 1e-6)
+        target = min(max(seconds / self.scale, predicted / CLIP), predicted * CLIP)
+        self.theta, self.P = rls_step(self.theta, self.P, self.P0, phi, target, self.forgetting)
+        self.count += 1
+
+    def curve(self, context: int, max_n: int) -> np.ndarray:
+        """Predicted seconds for n = 0..max_n (entry 0 unused), non-decreasing in n, at least a microsecond."""
+        if self.scale is None:
+            return np.ones(max_n + 1)
+        n = np.arange(1, max_n + 1, dtype=float)
+        seconds = np.maximum.accumulate(np.maximum(self._rows(n, context) @ self.theta * self.scale, 1e-6))
+        return np.concatenate([[seconds[0]], seconds])
+
+    def predict(self, n: int, context: int) -> float:
+        return float(self.curve(context, n)[n])
+
+    def coefficients(self) -> list[float] | None:
+        return None if self.scale is None else [float(c * self.scale) for c in self.theta]
+
+
+__all__ = ["CALIBRATION_SIZES", "CostShape", "VerifyCost", "measure_shape", "rls_step"]
