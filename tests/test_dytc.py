@@ -136,6 +136,10 @@ def test_hindsight_yield_expects_the_union_of_tree_and_chain():
     assert expected[4, 4] == pytest.approx(mean([0, 3, 0]))  # max(2, min(4, 3))
     assert yields.count(11, 1) == 1 and yields.count(12, 1) == 0  # the window is in decode steps
     assert yields.expected(12, 1, 4).max() == 0  # back to the prior
+    from cats.draft.hindsight import YIELD_RECORDS
+    for step in range(YIELD_RECORDS + 5):  # at most YIELD_RECORDS records per class: the oldest leave first
+        yields.observe(20, 3, np.zeros(len(TREE_SIZES)), 1 if step < 5 else 2)
+    assert yields.count(20, 3) == YIELD_RECORDS and yields.expected(20, 3, 4)[0, 4] == pytest.approx(2.0)
 
 
 def test_best_cut_prefers_the_best_rate_then_fewer_tokens():
