@@ -106,10 +106,16 @@ def measure_shape(model, sizes: Sequence[int] = CALIBRATION_SIZES, context: int 
         for n in sizes:
             hidden = model.embed(tokens(n))
             start = clock()
-            model.head(model.forward_layers(hidden, 0, model.num_layers, cache)[0])
+            _wait(model.head(model.forward_layers(hidden, 0, model.num_layers, cache)[0]))
             best[n] = min(clock() - start, best.get(n, float("inf")))
             cache.crop(context)
     return CostShape.of(best, context, clock() - began)
+
+
+def _wait(result: torch.Tensor) -> None:
+    """Block until ``result`` is computed (an accelerator runs kernels asynchronously; a CPU already has)."""
+    if result.device.type == "cuda":
+        torch.cuda.synchronize(result.device)
 
 
 def rls_step(theta: np.ndarray, P: np.ndarray, P0: np.ndarray, phi: np.ndarray, y: float,
