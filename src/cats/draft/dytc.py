@@ -801,7 +801,7 @@ def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max
         options.append(DraftOption("eagle-chain", FeatureShape(core, 1, limit, limit), limit, prior, cost))
         options.append(DraftOption("eagle", FeatureShape(core, tree_topk, total_tokens, depth), total_tokens, prior,
                                    cost * expanded, tree=True))
-    # the verification cost's shape in n, measured now (~0.7 s for SmolLM2); flat for layers streamed from disk,
+    # the verification cost's shape in n, measured now (~0.8 s for SmolLM2); flat for layers streamed from disk,
     # where a forward costs about the same for any n and measuring would stream every layer 30 times
     shape = measure_shape(model) if getattr(model, "weights", None) is None else None
     return DyTCDrafter(options, lookup=lookup, lookahead_tokens=lookahead_tokens, features=core, verify_shape=shape)

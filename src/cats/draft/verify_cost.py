@@ -7,7 +7,7 @@ Spec-Bench questions the online fit ended at 102 ms for 16 tokens, where 16 toke
 lookup's chains to 7 tokens in long copies that `pld` verified 10 at a time.
 
 So the curve's *shape* in n is measured up front (`measure_shape`, once per model load: SmolLM2-135M bf16 takes
-~0.7 s): a forward plus the head over n = 1..32 tokens after a short context, the fastest of two runs per size.
+~0.8 s): a forward plus the head over n = 1..32 tokens after a short context, the fastest of two runs per size.
 Online, `VerifyCost` fits by recursive least squares with forgetting only what the shape cannot know:
 
     seconds(n, T) = s1 * (a * shape(n) + b + c * n * dT + d * dT),    dT = (T - T0) / 1000
@@ -15,7 +15,7 @@ Online, `VerifyCost` fits by recursive least squares with forgetting only what t
 (``s1``: the measured one-token time, ``T0``: the context it was measured at): ``a`` and ``b`` follow the machine's
 speed and the decode loop's overhead, ``c`` and ``d`` the attention over a longer context (measured on SmolLM2 bf16:
 about 1 ms per query token and 4 ms per forward per 1000 cached tokens). Every step informs all four, whatever n it
-verified, so no size can fall into a trap. An observation is clipped to [2/3, 3/2] times the prediction before the
+verified, so no size keeps a stale estimate. An observation is clipped to [2/3, 3/2] times the prediction before the
 update: one step descheduled by the OS must not move the curve. Predictions are non-decreasing in n.
 
 Without a measured shape (a model that streams its layers from disk, where a forward costs about the same for any n;
