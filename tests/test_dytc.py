@@ -345,7 +345,8 @@ def cycling(drafter: DyTCDrafter) -> DyTCDrafter:
         if key == "pld":
             k = min(k, lookup_tokens)
         k = min(k, max_tokens)
-        return ("none", 0) if key == "none" or k == 0 else (key, k)
+        # the third entry, prompt lookup's tokens grafted into a recycling tree: all it found
+        return ("none", 0, 0) if key == "none" or k == 0 else (key, k, lookup_tokens)
 
     drafter.plan = plan
     return drafter

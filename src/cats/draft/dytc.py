@@ -269,8 +269,7 @@ class _Decision:
     k: int  # chain tokens drafted
     extension: int = 0  # prompt-lookup tokens attached after the chain
     extension_ngram: int = 0
-    ngram: int = 0  # prompt lookup: the n-gram length that matched
-    lookup_ngram: int = 0  # the n-gram length prompt lookup matched this step, whatever was chosen (0: none)
+    ngram: int = 0  # prompt lookup chosen: the match class of its chain
     drafted_at: float = 0.0  # clock when drafting ended (verification starts)
 
 
@@ -392,8 +391,7 @@ class DyTCDrafter(Drafter):
         cached = self._curve
         if cached is None or cached[0] != key or len(cached[1]) <= max_n:
             size = max(max_n, CURVE_TOKENS)
-            curve = self.verify_cost.curve(self._context, size) if self.verify_cost.ready else np.ones(size + 1)
-            self._curve = cached = (key, curve)
+            self._curve = cached = (key, self.verify_cost.curve(self._context, size))
         return cached[1]
 
     def _single_time(self) -> float:
@@ -502,9 +500,8 @@ class DyTCDrafter(Drafter):
             self._records.append(HindsightRecord(ngram, len(state.token_ids), tree.tokens.tolist(),
                                                  tree.parents.tolist() if tree.num_tokens else [], priority, chain))
         start = self.clock()
-        key, k, *rest = self.plan(max_tokens, len(found), ngram, free)
-        graft_tokens = rest[0] if rest else len(chain)
-        decision = _Decision(key, k, ngram=ngram if key == PLD else 0, lookup_ngram=ngram)
+        key, k, graft_tokens = self.plan(max_tokens, len(found), ngram, free)
+        decision = _Decision(key, k, ngram=ngram if key == PLD else 0)
         if key == PLD:
             proposal = Proposal(tokens=torch.as_tensor(found[:k], dtype=torch.long))
         elif self.recycle is not None and key == self.recycle.key:
@@ -517,7 +514,7 @@ class DyTCDrafter(Drafter):
             decision.k = proposal.num_tokens
         if key == NONE or not proposal.num_tokens:
             key, proposal = NONE, Proposal.empty()
-            decision = _Decision(NONE, 0, lookup_ngram=ngram)
+            decision = _Decision(NONE, 0)
         drafted_at = self.clock()
         if key in self.draft_latency:
             self.draft_latency[key].observe(decision.k, drafted_at - start)

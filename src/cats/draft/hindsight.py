@@ -1,4 +1,4 @@
-"""Hindsight yields of the near-free drafts (prompt lookup and token recycling) and the cost of verifying n tokens.
+"""Hindsight yields of the near-free drafts (prompt lookup and token recycling).
 
 Prompt lookup and token recycling draft without running a model layer, and deterministically: DyTC drafts both
 every step, whatever it then verifies. Once the target has committed as many tokens as a draft is deep, what *any
@@ -12,7 +12,8 @@ committed tokens. So every step yields one `HindsightRecord` for every size the 
 * the two together (the chain grafted into the tree as one more branch): the longest matching root path of a union
   of trees is the longer of theirs, ``max(tree(m), min(k, a))``.
 
-`HindsightYield` keeps the records of recent steps per prompt-lookup match class (0: no match; 1-, 2-, 3-gram) and
+`HindsightYield` keeps the records of recent steps per prompt-lookup match class (0: no match, else how far back
+the match holds: `cats.draft.dytc.match_class`) and
 answers, for the current step's class, the expected accepted tokens of every (m, k) at once. With the
 cost of verifying n tokens (`cats.draft.verify_cost`), the scheduler then picks the (m, k) with the most expected
 tokens per predicted second (`best_cut`).
@@ -60,7 +61,7 @@ def chain_accepts(chain: list[int], committed: list[int]) -> int:
 class HindsightRecord:
     """One step's near-free drafts, kept until the committed tokens cover them."""
 
-    ngram: int  # prompt lookup's match length this step (0: none)
+    ngram: int  # prompt lookup's match class this step (0: no match)
     before: int  # tokens (prompt + generated) when drafted: the root x is the last of them
     tree_tokens: list[int]
     tree_parents: list[int]

@@ -135,7 +135,6 @@ class VerifyCost:
     """Seconds of one target forward over n tokens with T tokens in the cache (module docstring): the measured
     ``shape`` scaled and shifted online, plus an attention term in the context."""
 
-    FEATURES = 4
     PRIOR = (1.0, 0.0, 0.0, 0.0)
 
     def __init__(self, forgetting: float = 0.98, shape: CostShape | None = None):
