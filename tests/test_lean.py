@@ -7,7 +7,7 @@ import torch
 
 from cats.draft import EarlyExitDrafter, PromptLookupDrafter
 from cats.generate import GenerationConfig, Generator
-from cats.model import lean
+from cats.model import lean, small_batch_linear
 from tests.conftest import VOCAB, hf_greedy, tiny_model
 
 PROMPT = torch.randint(3, VOCAB, (8,), generator=torch.Generator().manual_seed(11)).tolist() * 2
@@ -109,7 +109,7 @@ def test_packed_model_packs_its_adapter_and_keeps_drafting_lossless():
     plain = tokens(model, new=16)
     assert tokens(model, EarlyExitDrafter(model, num_tokens=3, adapter=adapter), new=16) == plain
     assert adapter._packed and "forward" in vars(adapter.block.mlp.up_proj)
-    assert adapter._head_rows in lean._PACKED  # the head rows ran through their packed copy
+    assert adapter._head_rows in lean._PACKED or adapter._head_rows in lean._SMALL  # the head rows ran packed
     lean.unpack_linears(model)
 
 
@@ -120,14 +120,17 @@ def test_packing_off_runs_plain_linears():
     if lean.pack_linears(model)["reason"]:
         pytest.skip("no oneDNN bf16 here")
     single, first = model.layers[0].self_attn.o_proj, model.layers[0].self_attn.q_proj
+    # the prompt (16 tokens) runs on oneDNN's packed copies, the one-token steps on the small-batch kernels' (if here)
+    small = small_batch_linear.unavailable(torch.bfloat16) is None
     with lean.packing_off():
         tokens(model, new=4)
-    assert "_packed" not in vars(single) and "_fused" not in vars(first)
+    assert not {"_packed", "_small"} & set(vars(single)) and not {"_fused", "_fused_small"} & set(vars(first))
     tokens(model, new=4)
     assert "_packed" in vars(single) and "_fused" in vars(first)  # q, k, v run as one fused packed GEMM
-    assert "_packed" not in vars(first)  # ... and q's own packed copy was never made
+    assert ("_small" in vars(single) and "_fused_small" in vars(first)) == small
+    assert "_packed" not in vars(first) and "_small" not in vars(first)  # ... and q's own copies were never made
     lean.unpack_linears(model)
-    assert "_packed" not in vars(single) and "_fused" not in vars(first)
+    assert not {"_packed", "_small"} & set(vars(single)) and not {"_fused", "_fused_small"} & set(vars(first))
 
 
 def test_pack_weights_flag_refuses_what_it_cannot_do(tmp_path):
