@@ -7,7 +7,7 @@ import torch
 
 from cats.draft import EarlyExitDrafter, PromptLookupDrafter
 from cats.generate import GenerationConfig, Generator
-from cats.model import lean, small_batch_linear
+from cats.model import lean, avx512_linear
 from tests.conftest import VOCAB, hf_greedy, tiny_model
 
 PROMPT = torch.randint(3, VOCAB, (8,), generator=torch.Generator().manual_seed(11)).tolist() * 2
@@ -109,7 +109,7 @@ def test_packed_model_packs_its_adapter_and_keeps_drafting_lossless():
     plain = tokens(model, new=16)
     assert tokens(model, EarlyExitDrafter(model, num_tokens=3, adapter=adapter), new=16) == plain
     assert adapter._packed and "forward" in vars(adapter.block.mlp.up_proj)
-    assert adapter._head_rows in lean._PACKED or adapter._head_rows in lean._SMALL  # the head rows ran packed
+    assert adapter._head_rows in lean._PACKED or adapter._head_rows in lean._PANEL  # the head rows ran packed
     lean.unpack_linears(model)
 
 
@@ -120,17 +120,17 @@ def test_packing_off_runs_plain_linears():
     if lean.pack_linears(model)["reason"]:
         pytest.skip("no oneDNN bf16 here")
     single, first = model.layers[0].self_attn.o_proj, model.layers[0].self_attn.q_proj
-    # the prompt (16 tokens) runs on oneDNN's packed copies, the one-token steps on the small-batch kernels' (if here)
-    small = small_batch_linear.unavailable(torch.bfloat16) is None
+    # the linears run on the AVX-512 kernels' packed copies where they run here, else on oneDNN's
+    copy, fused = ("_panel", "_fused_panel") if avx512_linear.unavailable(torch.bfloat16) is None else ("_packed",
+                                                                                                        "_fused")
     with lean.packing_off():
         tokens(model, new=4)
-    assert not {"_packed", "_small"} & set(vars(single)) and not {"_fused", "_fused_small"} & set(vars(first))
+    assert not {"_packed", "_panel"} & set(vars(single)) and not {"_fused", "_fused_panel"} & set(vars(first))
     tokens(model, new=4)
-    assert "_packed" in vars(single) and "_fused" in vars(first)  # q, k, v run as one fused packed GEMM
-    assert ("_small" in vars(single) and "_fused_small" in vars(first)) == small
-    assert "_packed" not in vars(first) and "_small" not in vars(first)  # ... and q's own copies were never made
+    assert copy in vars(single) and fused in vars(first)  # q, k, v run as one fused packed GEMM
+    assert "_packed" not in vars(first) and "_panel" not in vars(first)  # ... and q's own copies were never made
     lean.unpack_linears(model)
-    assert not {"_packed", "_small"} & set(vars(single)) and not {"_fused", "_fused_small"} & set(vars(first))
+    assert not {"_packed", "_panel"} & set(vars(single)) and not {"_fused", "_fused_panel"} & set(vars(first))
 
 
 def test_pack_weights_flag_refuses_what_it_cannot_do(tmp_path):
@@ -155,7 +155,8 @@ def test_packed_float32_reproduces_its_own_greedy_decoding():
         pytest.skip(outcome["reason"])
     assert outcome["packed"] == 7 * model.num_layers + 1
     torch.testing.assert_close(model.forward(ids, model.new_cache()), plain_logits, rtol=1e-4, atol=1e-4)
-    assert "_fused" in vars(model.layers[0].self_attn.q_proj)  # q, k, v fused on the packed path
+    slot = "_fused_panel" if avx512_linear.unavailable(torch.float32) is None else "_fused"  # whose packed copy
+    assert slot in vars(model.layers[0].self_attn.q_proj)  # q, k, v fused on the packed path
     packed = tokens(model, new=16)
     for drafter in (PromptLookupDrafter(num_tokens=4), EarlyExitDrafter(model, layer=1, num_tokens=3)):
         assert tokens(model, drafter, new=16) == packed

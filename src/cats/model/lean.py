@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from cats.model import small_batch_linear
+from cats.model import avx512_linear
 
 COMPILED_PARTS = ("mlp", "input_layernorm", "post_attention_layernorm")
 
@@ -109,10 +109,9 @@ def uncompile_layers(model) -> None:
 # summation order), so a packed float32 model reproduces its own plain decoding, not transformers' bit for bit. The
 # price is a second, packed copy of each weight.
 #
-# Forwards of up to `small_batch_linear.SMALL_BATCH_ROWS` tokens (a decode step, a draft step, a short verification)
-# run on the small-batch AVX-512 kernels instead, where they are available: 1.8x oneDNN's speed for one token, and
-# row-invariant. They keep their own blocked copy of each weight, made on first use like oneDNN's, so a model that
-# only ever decodes one token at a time holds one packed copy, and one that also verifies longer trees holds both.
+# Where the AVX-512 kernels of `cats.model.avx512_linear` run (x86-64 Linux with AVX-512 and a C compiler), packed
+# linears run on them instead: never slower than oneDNN (1.6x for one bf16 token, 1.4-2.2x for 1-16 float32 tokens),
+# and row-invariant. Their packed copy is the only one made then (oneDNN's copies are made on first use only).
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -120,7 +119,7 @@ PACKED_DTYPES = (torch.bfloat16, torch.float32)
 PACKING = {"off": False}  # set "off" to run packed linears eagerly (A/B timing in one process)
 _PACKED = WeakIdKeyDictionary()  # weight tensor -> ((data_ptr, version), packed copy), for weights outside a module
 # (a packed module keeps its copy in ``module.__dict__["_packed"]``, a fused group in its first module's "_fused")
-_SMALL = WeakIdKeyDictionary()  # the same for the small-batch kernels' copies ("_small" and "_fused_small" in modules)
+_PANEL = WeakIdKeyDictionary()  # the same for the AVX-512 kernels' copies ("_panel" and "_fused_panel" in modules)
 
 
 @contextlib.contextmanager
@@ -157,26 +156,26 @@ def _packed_copy(store, slot, weight: torch.Tensor) -> torch.Tensor:
     return entry[1]
 
 
-def _small_copy(store, slot, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
-    """``(key, blocked copy of weight, float32 bias or None)`` for the small-batch kernels, kept in
+def _panel_copy(store, slot, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """``(key, panel copy of weight, float32 bias or None)`` for the AVX-512 kernels, kept in
     ``store[slot]`` as `_packed_copy` keeps oneDNN's, made again whenever the weight or the bias changed."""
     key = (_weight_key(weight), None if bias is None else _weight_key(bias))
     entry = store.get(slot)
     if entry is None or entry[0] != key:
-        entry = store[slot] = (key, small_batch_linear.pack(weight),
+        entry = store[slot] = (key, avx512_linear.pack(weight),
                                None if bias is None else bias.detach().to(torch.float32).contiguous())
     return entry
 
 
 def packed_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(hidden, weight, bias)`` through a packed copy of ``weight`` (bf16 or float32): the small-batch
-    kernels' for up to `small_batch_linear.SMALL_BATCH_ROWS` rows where they run, else oneDNN's; packed on first use
-    and again whenever the weight changes (loaded, trained, streamed)."""
+    """``F.linear(hidden, weight, bias)`` through a packed copy of ``weight`` (bf16 or float32): the AVX-512
+    kernels' where they run, else oneDNN's; packed on first use and again whenever the weight changes (loaded,
+    trained, streamed)."""
     if PACKING["off"] or weight.dtype not in PACKED_DTYPES or hidden.dtype != weight.dtype:
         return nn.functional.linear(hidden, weight, bias)
-    if small_batch_linear.usable(hidden, weight):
-        _, blocked, bias32 = _small_copy(_SMALL, weight, weight, bias)
-        return small_batch_linear.linear(hidden, blocked, weight.shape[0], bias32)
+    if avx512_linear.usable(hidden, weight):
+        _, blocked, bias32 = _panel_copy(_PANEL, weight, weight, bias)
+        return avx512_linear.linear(hidden, blocked, weight.shape[0], bias32)
     return torch.ops.mkldnn._linear_pointwise(hidden, _packed_copy(_PACKED, weight, weight), bias, "none", [], "")
 
 
@@ -195,8 +194,8 @@ def fused_linear(hidden: torch.Tensor, modules) -> torch.Tensor | None:
         return None
     weights = [module._parameters["weight"] for module in modules]
     key = [_weight_key(weight) for weight in weights]
-    small = small_batch_linear.usable(hidden, weights[0])
-    slot = "_fused_small" if small else "_fused"
+    panel = avx512_linear.usable(hidden, weights[0])
+    slot = "_fused_panel" if panel else "_fused"
     entry = modules[0].__dict__.get(slot)  # only packed modules get one (`unpack_linears` drops it)
     if entry is None or entry[0] != key:
         if not all(is_packed(module) for module in modules) or hidden.dtype != weights[0].dtype:
@@ -206,13 +205,13 @@ def fused_linear(hidden: torch.Tensor, modules) -> torch.Tensor | None:
             bias = torch.cat([module.bias.detach() if module.bias is not None else
                               module.weight.new_zeros(module.out_features) for module in modules])
         weight = torch.cat([w.detach() for w in weights])
-        if small:
-            entry = (key, small_batch_linear.pack(weight), None if bias is None else bias.to(torch.float32))
+        if panel:
+            entry = (key, avx512_linear.pack(weight), None if bias is None else bias.to(torch.float32))
         else:
             entry = (key, _pack(weight), bias)
         modules[0].__dict__[slot] = entry
-    if small:
-        return small_batch_linear.linear(hidden, entry[1], sum(w.shape[0] for w in weights), entry[2])
+    if panel:
+        return avx512_linear.linear(hidden, entry[1], sum(w.shape[0] for w in weights), entry[2])
     return torch.ops.mkldnn._linear_pointwise(hidden, entry[1], entry[2], "none", [], "")
 
 
@@ -221,9 +220,9 @@ def _packed_linear_forward(module: nn.Linear, hidden: torch.Tensor) -> torch.Ten
     weight, bias = module._parameters["weight"], module._parameters["bias"]
     if PACKING["off"] or hidden.dtype != weight.dtype:
         return nn.functional.linear(hidden, weight, bias)
-    if small_batch_linear.usable(hidden, weight):
-        _, blocked, bias32 = _small_copy(module.__dict__, "_small", weight, bias)
-        return small_batch_linear.linear(hidden, blocked, weight.shape[0], bias32)
+    if avx512_linear.usable(hidden, weight):
+        _, blocked, bias32 = _panel_copy(module.__dict__, "_panel", weight, bias)
+        return avx512_linear.linear(hidden, blocked, weight.shape[0], bias32)
     return torch.ops.mkldnn._linear_pointwise(hidden, _packed_copy(module.__dict__, "_packed", weight), bias, "none",
                                               [], "")
 
@@ -289,6 +288,6 @@ def unpack_linears(model) -> None:
     for module in [*model.layers[: model.num_layers], model.hf_model.lm_head]:
         for inner in module.modules():
             if is_packed(inner):
-                for name in ("forward", "_packed", "_fused", "_small", "_fused_small"):
+                for name in ("forward", "_packed", "_fused", "_panel", "_fused_panel"):
                     inner.__dict__.pop(name, None)
     model.packed = False

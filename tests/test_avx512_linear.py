@@ -1,5 +1,5 @@
-"""The small-batch AVX-512 linear kernels: right answers on awkward shapes, row-invariant, used by packed models for
-few-token forwards, and a clean fallback to oneDNN where they cannot run."""
+"""The AVX-512 linear kernels: right answers on awkward shapes, row-invariant, what packed models run on, and a clean
+fallback to oneDNN where they cannot run."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ import torch
 
 from cats.draft import PromptLookupDrafter
 from cats.generate import GenerationConfig, Generator
-from cats.model import lean, small_batch_linear
+from cats.model import lean, avx512_linear
 from tests.conftest import VOCAB, tiny_model
 
 DTYPES = (torch.bfloat16, torch.float32)
-SHAPES = [(7, 50), (13, 576), (33, 100), (64, 64), (5, 31)]  # rows and columns off the 4-row blocks and 16/32 chunks
+SHAPES = [(7, 50), (13, 576), (100, 33), (96, 64), (49, 31)]  # outputs off and on the 48-row panels, odd inputs
 
 
 def needs(dtype):
-    reason = small_batch_linear.unavailable(dtype)
+    reason = avx512_linear.unavailable(dtype)
     if reason is not None:
-        pytest.skip(f"small-batch kernels: {reason}")
+        pytest.skip(f"AVX-512 linear kernels: {reason}")
 
 
 def reference(hidden, weight, bias):
@@ -36,7 +36,7 @@ def test_kernel_matches_float64_reference(dtype, shape, with_bias):
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
     bias = torch.randn(out_features, generator=generator).to(dtype) if with_bias else None
     hidden = torch.randn(2, 3, in_features, generator=generator).to(dtype)  # 6 rows, leading dims kept
-    out = small_batch_linear.linear(hidden, small_batch_linear.pack(weight), out_features,
+    out = avx512_linear.linear(hidden, avx512_linear.pack(weight), out_features,
                                     None if bias is None else bias.float())
     assert out.shape == (2, 3, out_features) and out.dtype == dtype
     expected = reference(hidden, weight, bias)
@@ -48,22 +48,29 @@ def test_kernel_matches_float64_reference(dtype, shape, with_bias):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rows_do_not_depend_on_their_neighbours(dtype):
-    """Row-invariance, bit for bit: each row alone gives what it gives among up to SMALL_BATCH_ROWS rows."""
+    """Row-invariance, bit for bit: each row alone gives what it gives among others, for every tiling of the rows
+    (tiles of 8, 4, 2 and 1 rows) and with the panels split over one or two threads."""
     needs(dtype)
     generator = torch.Generator().manual_seed(3)
-    weight = torch.randn(96, 576, generator=generator).to(dtype)
-    packed = small_batch_linear.pack(weight)
-    hidden = torch.randn(small_batch_linear.SMALL_BATCH_ROWS, 576, generator=generator).to(dtype)
-    alone = torch.cat([small_batch_linear.linear(hidden[i:i + 1], packed, 96) for i in range(len(hidden))])
-    for rows in range(1, len(hidden) + 1):
-        assert torch.equal(small_batch_linear.linear(hidden[:rows], packed, 96), alone[:rows])
+    weight = torch.randn(200, 577, generator=generator).to(dtype)
+    packed = avx512_linear.pack(weight)
+    hidden = torch.randn(23, 577, generator=generator).to(dtype)
+    alone = torch.cat([avx512_linear.linear(hidden[i:i + 1], packed, 200) for i in range(len(hidden))])
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in (1, 2, 3, 5, 8, 9, 15, 23):
+                assert torch.equal(avx512_linear.linear(hidden[:rows], packed, 200), alone[:rows])
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @torch.no_grad()
-def test_packed_model_runs_short_forwards_on_the_kernels(dtype):
-    """A packed model's one-token steps use the kernels' copies, longer forwards oneDNN's; every method reproduces
-    the packed model's own greedy tokens, and a changed weight is packed again for both."""
+def test_packed_model_runs_on_the_kernels(dtype):
+    """A packed model runs its linears on the kernels' copies alone (no oneDNN copy is made); every method
+    reproduces the packed model's own greedy tokens, and a changed weight is packed again."""
     needs(dtype)
     model = tiny_model("qwen2", seed=8, damp=0.1, dtype=dtype)  # qwen2: q, k and v have biases
     if lean.pack_linears(model)["reason"]:
@@ -74,42 +81,43 @@ def test_packed_model_runs_short_forwards_on_the_kernels(dtype):
         return Generator(model, drafter).generate(prompt, GenerationConfig(max_new_tokens=16)).token_ids
 
     plain = greedy()
-    down = model.layers[0].mlp.down_proj
-    assert "_small" in vars(down) and "_packed" in vars(down)  # steps on the kernels, the 16-token prompt on oneDNN
-    assert "_fused_small" in vars(model.layers[0].self_attn.q_proj)
+    down, query = model.layers[0].mlp.down_proj, model.layers[0].self_attn.q_proj
+    assert "_panel" in vars(down) and "_packed" not in vars(down)
+    assert "_fused_panel" in vars(query) and "_fused" not in vars(query)
     assert greedy(PromptLookupDrafter(num_tokens=4)) == plain
-    small_batch_linear.SMALL_BATCH["off"] = True
+    avx512_linear.KERNELS["off"] = True
     try:
         with_onednn = greedy()
     finally:
-        small_batch_linear.SMALL_BATCH["off"] = False
+        avx512_linear.KERNELS["off"] = False
     if dtype == torch.float32:  # another summation order: tiny differences, the same tokens on this model
         assert with_onednn == plain
-    step = torch.tensor([prompt[0]])
+    ids = torch.tensor(prompt)
+    step = ids[:1]
     before = model.forward(step, model.new_cache())
     down.weight.mul_(0.5)
     assert not torch.equal(model.forward(step, model.new_cache()), before)
     lean.unpack_linears(model)
-    assert not {"_small", "_packed", "forward"} & set(vars(down))
+    assert not {"_panel", "_packed", "forward"} & set(vars(down))
 
 
 def test_unavailable_says_why(monkeypatch):
-    monkeypatch.setitem(small_batch_linear.SMALL_BATCH, "off", True)
-    assert small_batch_linear.unavailable(torch.bfloat16) == "switched off (CATS_KERNELS=0)"
-    monkeypatch.setitem(small_batch_linear.SMALL_BATCH, "off", False)
-    assert small_batch_linear.unavailable(torch.float16) == "no kernel for torch.float16"
-    monkeypatch.setattr(small_batch_linear, "_STATE", {})
-    monkeypatch.setattr(small_batch_linear, "_compiler", lambda: None)
-    assert small_batch_linear.unavailable(torch.float32).startswith(("no C compiler found", "the kernels are x86-64"))
+    monkeypatch.setitem(avx512_linear.KERNELS, "off", True)
+    assert avx512_linear.unavailable(torch.bfloat16) == "switched off (CATS_KERNELS=0)"
+    monkeypatch.setitem(avx512_linear.KERNELS, "off", False)
+    assert avx512_linear.unavailable(torch.float16) == "no kernel for torch.float16"
+    monkeypatch.setattr(avx512_linear, "_STATE", {})
+    monkeypatch.setattr(avx512_linear, "_compiler", lambda: None)
+    assert avx512_linear.unavailable(torch.float32).startswith(("no C compiler found", "the kernels are x86-64"))
 
 
 @torch.no_grad()
 def test_without_the_kernels_packed_linears_use_onednn(monkeypatch):
-    monkeypatch.setattr(small_batch_linear, "_STATE", {"library": None, "kinds": 0, "reason": "no C compiler found"})
+    monkeypatch.setattr(avx512_linear, "_STATE", {"library": None, "kinds": 0, "reason": "no C compiler found"})
     weight = torch.randn(12, 40).to(torch.bfloat16)
     hidden = torch.randn(1, 40).to(torch.bfloat16)
-    assert not small_batch_linear.usable(hidden, weight)
+    assert not avx512_linear.usable(hidden, weight)
     if lean.pack_available(torch.bfloat16) is None:
         out = lean.packed_linear(hidden, weight)
         assert torch.equal(out, torch.nn.functional.linear(hidden, weight))
-        assert weight in lean._PACKED and weight not in lean._SMALL
+        assert weight in lean._PACKED and weight not in lean._PANEL

@@ -1,26 +1,27 @@
-"""Small-batch linears on AVX-512 CPUs: the projections of a forward over a few tokens, read at memory speed.
+"""AVX-512 linear kernels for packed models: the projections of a forward, read at memory speed, row-invariant.
 
-A decode step multiplies one token (verification: a few) by every weight of the model, so its time is the time to
-stream the weights through the cores. oneDNN, the fastest library path torch offers here (`cats.model.lean`'s
-prepacked weights), reads a SmolLM2 layer's small matrices at ~19 GB/s and pays ~17 µs per call, while this machine
-streams memory at ~33 GB/s (docs/performance.md). The kernels in ``small_batch_linear.c`` close most of that gap for
-up to `SMALL_BATCH_ROWS` rows: the weight is stored blocked, so one call reads it as one sequential stream, and each
-of a few rows is multiplied with it while its block is in the core's cache (bf16 by ``vdpbf16ps`` with float32
-accumulation, float32 by FMA). All of SmolLM2-135M's bf16 projections for one token: 6.8 ms against oneDNN's
-12.3 ms (2 threads, same run); 4 rows 8.5 against 10.7; 8 rows equal; from 16 rows on oneDNN is faster, and stays in
-use there.
+A decode step multiplies one token (a verification: a few) by every weight of the model, so its time is the time to
+stream the weights through the cores. oneDNN, the fastest library path torch offers here, reads a SmolLM2 layer's
+small matrices at ~19 GB/s and pays ~17 µs per call, while this machine streams memory at ~33 GB/s
+(docs/performance.md). The kernels in ``avx512_linear.c`` store each weight in panels of 48 output rows, one
+contiguous stream each, and multiply up to 8 input rows with every loaded vector of weights (bf16 by ``vdpbf16ps``
+with float32 accumulation, float32 by FMA, each input value broadcast). All of SmolLM2-135M's projections, 2
+threads, same run, oneDNN / these kernels (ms): bf16 1 row 13.1 / 8.3, 8 rows 14.6 / 8.3, 16 rows 18.5 / 13.5,
+32 rows 29.1 / 23.3, 512 rows 339 / 329; float32 1 row 25.6 / 18.8, 16 rows 52.0 / 23.7, 256 rows 362 / 330. They
+are never slower, so a packed model runs every linear on them when they are available, and keeps one packed copy.
 
-**Row-invariant**: an output row is the same sequence of operations whatever the number of rows in the call (one
-multiply-accumulate per chunk of 32 / 16 values into its own accumulator, then one horizontal sum, bias, rounding),
-so a token's projections do not depend on how many tokens a forward carries, up to `SMALL_BATCH_ROWS`. bf16 results
-are float32 sums rounded to nearest even, as oneDNN's are; the summation order differs from oneDNN's and aten's, so an
-output can differ from theirs in the last bit (float32: ~1e-7 relative; bf16: one unit in the last place, rarely).
+**Row-invariant**: each output accumulates its products in its own register lane, k = 0, 1, 2, ... in order, whatever
+the number of rows in the call or their tiling; then bias, then (bf16) rounding to nearest even. So a token's
+projections are the same bits whether a forward carries it alone or among others: a verification computes the
+projections that plain decoding computes. (oneDNN's and aten's GEMMs are not: SmolLM2's bf16 down projection
+rounded a row differently from 8 rows on.) The summation order differs from oneDNN's and aten's, so outputs can
+differ from theirs in the last bits (float32: ~1e-7 relative; bf16: one unit in the last place, now and then).
 
 Built on first use with the system C compiler (``$CC``, else ``cc`` / ``gcc``: ``-O3 -march=native -fopenmp``) into
 ``$CATS_CACHE/kernels`` (named by a hash of the source, the compiler and the CPU, so a rebuild happens only when one
 changes), and loaded with ctypes; OpenMP resolves to the runtime torch already loaded, so the kernels share torch's
-threads. Without a compiler, without AVX-512 (bf16: AVX512_BF16), off CPUs, or with ``CATS_KERNELS=0``, `unavailable`
-says why and callers keep oneDNN. No GIL is held while a kernel runs (ctypes releases it).
+threads. Without a compiler, without AVX-512 (bf16: AVX512_BF16), off x86-64 Linux, or with ``CATS_KERNELS=0``,
+`unavailable` says why and packed models use oneDNN. ctypes releases the GIL while a kernel runs.
 """
 from __future__ import annotations
 
@@ -35,16 +36,13 @@ from pathlib import Path
 
 import torch
 
-SMALL_BATCH_ROWS = 8  # up to this many rows the kernels run (SmolLM2 bf16, all projections: 8 rows on par with
-# oneDNN, 16 rows 1.4x slower)
-BLOCK_ROWS = 4  # weight rows per block (the kernels' ROWS)
-CHUNK = {torch.bfloat16: 32, torch.float32: 16}  # values per chunk (one 512-bit vector)
+PANEL = 48  # output rows per panel of the packed weight (the kernels' PANEL)
 _KIND_BITS = {torch.bfloat16: 1, torch.float32: 2}  # cats_linear_kernels()'s bits
 SOURCE = Path(__file__).with_suffix(".c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
-SMALL_BATCH = {"off": os.environ.get("CATS_KERNELS", "1").strip().lower() in ("0", "false", "off", "no")}
-# ``SMALL_BATCH["off"] = True`` keeps oneDNN for every call meanwhile (A/B timing in one process)
+KERNELS = {"off": os.environ.get("CATS_KERNELS", "1").strip().lower() in ("0", "false", "off", "no")}
+# ``KERNELS["off"] = True`` keeps oneDNN for every call meanwhile (A/B timing in one process)
 
 _LOCK = threading.Lock()
 _STATE: dict = {}  # "library", "kinds", "reason" once the build was tried
@@ -84,7 +82,7 @@ def _build() -> tuple[ctypes.CDLL | None, int, str | None]:
     digest = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode(),
                                         _cpu_identity().encode()])).hexdigest()[:16]
     folder = cache_root() / "kernels"
-    target = folder / f"small_batch_linear-{digest}.so"
+    target = folder / f"avx512_linear-{digest}.so"
     if not target.exists():
         folder.mkdir(parents=True, exist_ok=True)
         partial = folder / f".{target.name}.{os.getpid()}.tmp"
@@ -125,9 +123,9 @@ def _library() -> tuple[ctypes.CDLL | None, int, str | None]:
 
 def unavailable(dtype: torch.dtype) -> str | None:
     """None if the kernels can run ``dtype`` here (building them on first call), else why not."""
-    if SMALL_BATCH["off"]:
+    if KERNELS["off"]:
         return "switched off (CATS_KERNELS=0)"
-    if dtype not in CHUNK:
+    if dtype not in _KIND_BITS:
         return f"no kernel for {dtype}"
     _, kinds, reason = _library()
     if reason is not None:
@@ -138,23 +136,29 @@ def unavailable(dtype: torch.dtype) -> str | None:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ``[N, K]`` in the kernels' blocked layout ``[ceil(N/4), ceil(K/L), 4, L]`` (zero-padded)."""
+    """``weight`` ``[N, K]`` in the kernels' panel layout (zero-padded): bf16 ``[ceil(N/48), ceil(K/2), 48, 2]``,
+    float32 ``[ceil(N/48), K, 48]``."""
     rows, columns = weight.shape
-    chunk = CHUNK[weight.dtype]
-    padded = weight.new_zeros(-(-rows // BLOCK_ROWS) * BLOCK_ROWS, -(-columns // chunk) * chunk)
-    padded[:rows, :columns] = weight.detach()
-    return padded.view(padded.shape[0] // BLOCK_ROWS, BLOCK_ROWS, padded.shape[1] // chunk,
-                       chunk).transpose(1, 2).contiguous()
+    panels = -(-rows // PANEL)
+    if weight.dtype == torch.bfloat16:
+        padded = weight.new_zeros(panels * PANEL, columns + columns % 2)
+        padded[:rows, :columns] = weight.detach()
+        return padded.view(panels, PANEL, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
+    padded = weight.new_zeros(panels * PANEL, columns)
+    padded[:rows] = weight.detach()
+    return padded.view(panels, PANEL, columns).transpose(1, 2).contiguous()
 
 
 def linear(hidden: torch.Tensor, packed: torch.Tensor, out_features: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``hidden @ W.T (+ bias)`` for ``hidden`` ``[..., K]`` of at most `SMALL_BATCH_ROWS` rows, with ``packed`` =
-    `pack`\\ (W) (same dtype as ``hidden``) and ``bias`` a float32 vector or None. The caller checks `unavailable`."""
-    library = _STATE["library"]
+    """``hidden @ W.T (+ bias)`` for ``hidden`` ``[..., K]``, with ``packed`` = `pack`\\ (W) (same dtype as ``hidden``)
+    and ``bias`` a float32 vector or None (see `usable` for when to)."""
+    library, _, reason = _library()
+    if library is None:
+        raise RuntimeError(f"the AVX-512 linear kernels cannot run here: {reason}")
     hidden = hidden.contiguous()
     columns = hidden.shape[-1]
-    rows = hidden.numel() // columns
+    rows = hidden.numel() // columns if columns else 0
     out = hidden.new_empty(*hidden.shape[:-1], out_features)
     kernel = library.cats_linear_bf16 if hidden.dtype == torch.bfloat16 else library.cats_linear_f32
     kernel(packed.data_ptr(), hidden.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), rows,
@@ -163,9 +167,9 @@ def linear(hidden: torch.Tensor, packed: torch.Tensor, out_features: int,
 
 
 def usable(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a linear of ``weight`` on ``hidden`` should run here: a CPU tensor of the weight's dtype, at most
-    `SMALL_BATCH_ROWS` rows, no autograd, and the kernels available for the dtype."""
+    """Whether a linear of ``weight`` on ``hidden`` should run on the kernels: CPU tensors of one dtype, no autograd,
+    the kernels available for the dtype."""
     return (hidden.dtype == weight.dtype and hidden.device.type == "cpu" and hidden.dim() > 0
-            and hidden.numel() <= SMALL_BATCH_ROWS * hidden.shape[-1] and hidden.shape[-1] == weight.shape[1]
+            and hidden.shape[-1] == weight.shape[1]
             and not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad))
             and unavailable(weight.dtype) is None)
