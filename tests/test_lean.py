@@ -7,7 +7,7 @@ import torch
 
 from cats.draft import EarlyExitDrafter, PromptLookupDrafter
 from cats.generate import GenerationConfig, Generator
-from cats.model import lean, avx512_linear
+from cats.model import lean, avx512
 from tests.conftest import VOCAB, hf_greedy, tiny_model
 
 PROMPT = torch.randint(3, VOCAB, (8,), generator=torch.Generator().manual_seed(11)).tolist() * 2
@@ -121,7 +121,7 @@ def test_packing_off_runs_plain_linears():
         pytest.skip("no oneDNN bf16 here")
     single, first = model.layers[0].self_attn.o_proj, model.layers[0].self_attn.q_proj
     # the linears run on the AVX-512 kernels' packed copies where they run here, else on oneDNN's
-    copy, fused = ("_panel", "_fused_panel") if avx512_linear.unavailable(torch.bfloat16) is None else ("_packed",
+    copy, fused = ("_panel", "_fused_panel") if avx512.unavailable(torch.bfloat16) is None else ("_packed",
                                                                                                         "_fused")
     with lean.packing_off():
         tokens(model, new=4)
@@ -155,7 +155,7 @@ def test_packed_float32_reproduces_its_own_greedy_decoding():
         pytest.skip(outcome["reason"])
     assert outcome["packed"] == 7 * model.num_layers + 1
     torch.testing.assert_close(model.forward(ids, model.new_cache()), plain_logits, rtol=1e-4, atol=1e-4)
-    slot = "_fused_panel" if avx512_linear.unavailable(torch.float32) is None else "_fused"  # whose packed copy
+    slot = "_fused_panel" if avx512.unavailable(torch.float32) is None else "_fused"  # whose packed copy
     assert slot in vars(model.layers[0].self_attn.q_proj)  # q, k, v fused on the packed path
     packed = tokens(model, new=16)
     for drafter in (PromptLookupDrafter(num_tokens=4), EarlyExitDrafter(model, layer=1, num_tokens=3)):

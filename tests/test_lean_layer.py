@@ -8,7 +8,7 @@ import torch
 
 from cats.draft import EarlyExitDrafter, PromptLookupDrafter, TreeDrafter
 from cats.generate import GenerationConfig, Generator
-from cats.model import LayeredModel, avx512_linear, lean
+from cats.model import LayeredModel, avx512, lean
 from cats.model.lean_layer import lean_default, lean_unsupported
 from tests.conftest import FAMILIES, VOCAB, hf_greedy, tiny_config, tiny_model
 
@@ -126,7 +126,7 @@ def test_fused_packed_projections_equal_the_separate_ones(family):
     separate = model.forward(ids, model.new_cache())
     model.lean = True
     fused = model.forward(ids, model.new_cache())
-    slot = "_fused_panel" if avx512_linear.unavailable(torch.bfloat16) is None else "_fused"  # whose packed copy
+    slot = "_fused_panel" if avx512.unavailable(torch.bfloat16) is None else "_fused"  # whose packed copy
     assert slot in vars(model.layers[0].self_attn.q_proj) and slot in vars(model.layers[0].mlp.gate_proj)
     torch.testing.assert_close(fused, separate, rtol=0, atol=0.05)
     assert torch.equal(fused.argmax(-1), separate.argmax(-1))

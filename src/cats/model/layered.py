@@ -219,7 +219,8 @@ class LayeredModel:
         and `lean` is on, else the module's own forward. Callers account for the slots (`KVCache.record`)."""
         layer = self.layers[i]
         if self.lean and self._lean_layers[i]:
-            return lean_layer_forward(layer, hidden, mask, rotary, hf_cache, pack_queries=not self.exact_attention)
+            return lean_layer_forward(layer, hidden, mask, rotary, hf_cache, pack_queries=not self.exact_attention,
+                                      kernels=self.packed)
         out = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids,
                     cache=hf_cache, use_cache=True)
         return out[0] if isinstance(out, tuple) else out

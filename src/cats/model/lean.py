@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from cats.model import avx512_linear
+from cats.model import avx512
 
 COMPILED_PARTS = ("mlp", "input_layernorm", "post_attention_layernorm")
 
@@ -109,7 +109,7 @@ def uncompile_layers(model) -> None:
 # summation order), so a packed float32 model reproduces its own plain decoding, not transformers' bit for bit. The
 # price is a second, packed copy of each weight.
 #
-# Where the AVX-512 kernels of `cats.model.avx512_linear` run (x86-64 Linux with AVX-512 and a C compiler), packed
+# Where the AVX-512 kernels of `cats.model.avx512` run (x86-64 Linux with AVX-512 and a C compiler), packed
 # linears run on them instead: never slower than oneDNN (1.6x for one bf16 token, 1.4-2.2x for 1-16 float32 tokens),
 # and row-invariant. Their packed copy is the only one made then (oneDNN's copies are made on first use only).
 
@@ -162,7 +162,7 @@ def _panel_copy(store, slot, weight: torch.Tensor, bias: torch.Tensor | None) ->
     key = (_weight_key(weight), None if bias is None else _weight_key(bias))
     entry = store.get(slot)
     if entry is None or entry[0] != key:
-        entry = store[slot] = (key, avx512_linear.pack(weight),
+        entry = store[slot] = (key, avx512.pack(weight),
                                None if bias is None else bias.detach().to(torch.float32).contiguous())
     return entry
 
@@ -173,9 +173,9 @@ def packed_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     trained, streamed)."""
     if PACKING["off"] or weight.dtype not in PACKED_DTYPES or hidden.dtype != weight.dtype:
         return nn.functional.linear(hidden, weight, bias)
-    if avx512_linear.usable(hidden, weight):
+    if avx512.usable(hidden, weight):
         _, blocked, bias32 = _panel_copy(_PANEL, weight, weight, bias)
-        return avx512_linear.linear(hidden, blocked, weight.shape[0], bias32)
+        return avx512.linear(hidden, blocked, weight.shape[0], bias32)
     return torch.ops.mkldnn._linear_pointwise(hidden, _packed_copy(_PACKED, weight, weight), bias, "none", [], "")
 
 
@@ -194,7 +194,7 @@ def fused_linear(hidden: torch.Tensor, modules) -> torch.Tensor | None:
         return None
     weights = [module._parameters["weight"] for module in modules]
     key = [_weight_key(weight) for weight in weights]
-    panel = avx512_linear.usable(hidden, weights[0])
+    panel = avx512.usable(hidden, weights[0])
     slot = "_fused_panel" if panel else "_fused"
     entry = modules[0].__dict__.get(slot)  # only packed modules get one (`unpack_linears` drops it)
     if entry is None or entry[0] != key:
@@ -206,12 +206,12 @@ def fused_linear(hidden: torch.Tensor, modules) -> torch.Tensor | None:
                               module.weight.new_zeros(module.out_features) for module in modules])
         weight = torch.cat([w.detach() for w in weights])
         if panel:
-            entry = (key, avx512_linear.pack(weight), None if bias is None else bias.to(torch.float32))
+            entry = (key, avx512.pack(weight), None if bias is None else bias.to(torch.float32))
         else:
             entry = (key, _pack(weight), bias)
         modules[0].__dict__[slot] = entry
     if panel:
-        return avx512_linear.linear(hidden, entry[1], sum(w.shape[0] for w in weights), entry[2])
+        return avx512.linear(hidden, entry[1], sum(w.shape[0] for w in weights), entry[2])
     return torch.ops.mkldnn._linear_pointwise(hidden, entry[1], entry[2], "none", [], "")
 
 
@@ -220,9 +220,9 @@ def _packed_linear_forward(module: nn.Linear, hidden: torch.Tensor) -> torch.Ten
     weight, bias = module._parameters["weight"], module._parameters["bias"]
     if PACKING["off"] or hidden.dtype != weight.dtype:
         return nn.functional.linear(hidden, weight, bias)
-    if avx512_linear.usable(hidden, weight):
+    if avx512.usable(hidden, weight):
         _, blocked, bias32 = _panel_copy(module.__dict__, "_panel", weight, bias)
-        return avx512_linear.linear(hidden, blocked, weight.shape[0], bias32)
+        return avx512.linear(hidden, blocked, weight.shape[0], bias32)
     return torch.ops.mkldnn._linear_pointwise(hidden, _packed_copy(module.__dict__, "_packed", weight), bias, "none",
                                               [], "")
 

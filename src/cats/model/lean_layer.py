@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from cats.model import avx512
 from cats.model.lean import fused_linear
 
 # decoder layer classes whose forward is exactly: x + attn(input_layernorm(x)); x + mlp(post_attention_layernorm(x))
@@ -156,13 +157,30 @@ def _projections(layer: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor |
     return fused, parts[0].out_features, parts[1].out_features
 
 
+_FLOAT_MASK_MEMO: list = [(None, None)]  # [(mask, its [T, S] float32 form)], as for the rotary parts
+
+
+def _float_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The additive mask ``[1, 1, T, S]`` as float32 ``[T, S]`` for `avx512.attention`, once per forward."""
+    if mask is None:
+        return None
+    entry = _FLOAT_MASK_MEMO[0]
+    if entry[0] is mask:
+        return entry[1]
+    converted = mask[0, 0].to(torch.float32).contiguous()
+    _FLOAT_MASK_MEMO[0] = (mask, converted)
+    return converted
+
+
 def lean_layer_forward(layer: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
                        position_embeddings: tuple[torch.Tensor, torch.Tensor], cache,
-                       pack_queries: bool = True) -> torch.Tensor:
+                       pack_queries: bool = True, kernels: bool = False) -> torch.Tensor:
     """One decoder layer (see the module docstring) on ``hidden`` ``[B, T, H]``; appends the T tokens' K/V to
     ``cache`` (a transformers cache) at the layer's index. ``attention_mask`` is the additive float mask
     ``[B, 1, T, P + T]`` or None (every slot visible), ``position_embeddings`` the model's rotary (cos, sin).
-    ``pack_queries=False`` keeps transformers' own attention call for few queries too (its exact rounding)."""
+    ``pack_queries=False`` keeps transformers' own attention call for few queries too (its exact rounding).
+    ``kernels=True`` (a packed model) runs attention for up to `avx512.ATTENTION_QUERY_LIMIT` queries on the
+    row-invariant AVX-512 kernel where it runs (not with ``pack_queries=False``)."""
     attention, mlp = layer.self_attn, layer.mlp
     batch, length, _ = hidden.shape
     dim = attention.head_dim
@@ -189,7 +207,9 @@ def lean_layer_forward(layer: nn.Module, hidden: torch.Tensor, attention_mask: t
     key, value = cache.update(key, value, attention.layer_idx)
     groups = query.shape[1] // key.shape[1]
     implementation = attention.config._attn_implementation
-    if (pack_queries and implementation == "sdpa" and groups > 1 and length <= PACKED_QUERY_LIMIT
+    if kernels and pack_queries and avx512.attention_usable(query, key, attention_mask):
+        out = avx512.attention(query, key, value, _float_mask(attention_mask), attention.scaling)
+    elif (pack_queries and implementation == "sdpa" and groups > 1 and length <= PACKED_QUERY_LIMIT
             and (attention_mask is not None or length == 1)):
         # few queries: their heads packed per KV head, [B, kv_heads, groups * T, D] (transformers' pack_gqa, which it
         # uses only without enable_gqa), the mask's rows repeated per group

@@ -3,7 +3,7 @@
 A decode step multiplies one token (a verification: a few) by every weight of the model, so its time is the time to
 stream the weights through the cores. oneDNN, the fastest library path torch offers here, reads a SmolLM2 layer's
 small matrices at ~19 GB/s and pays ~17 µs per call, while this machine streams memory at ~33 GB/s
-(docs/performance.md). The kernels in ``avx512_linear.c`` store each weight in panels of 48 output rows, one
+(docs/performance.md). The kernels in ``avx512.c`` store each weight in panels of 48 output rows, one
 contiguous stream each, and multiply up to 8 input rows with every loaded vector of weights (bf16 by ``vdpbf16ps``
 with float32 accumulation, float32 by FMA, each input value broadcast). All of SmolLM2-135M's projections, 2
 threads, same run, oneDNN / these kernels (ms): bf16 1 row 13.1 / 8.3, 8 rows 14.6 / 8.3, 16 rows 18.5 / 13.5,
@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 
 PANEL = 48  # output rows per panel of the packed weight (the kernels' PANEL)
-_KIND_BITS = {torch.bfloat16: 1, torch.float32: 2}  # cats_linear_kernels()'s bits
+_KIND_BITS = {torch.bfloat16: 1, torch.float32: 2}  # cats_kernels()'s bits
 SOURCE = Path(__file__).with_suffix(".c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 
 KERNELS = {"off": os.environ.get("CATS_KERNELS", "1").strip().lower() in ("0", "false", "off", "no")}
 # ``KERNELS["off"] = True`` keeps oneDNN for every call meanwhile (A/B timing in one process)
@@ -82,7 +82,7 @@ def _build() -> tuple[ctypes.CDLL | None, int, str | None]:
     digest = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode(),
                                         _cpu_identity().encode()])).hexdigest()[:16]
     folder = cache_root() / "kernels"
-    target = folder / f"avx512_linear-{digest}.so"
+    target = folder / f"avx512-{digest}.so"
     if not target.exists():
         folder.mkdir(parents=True, exist_ok=True)
         partial = folder / f".{target.name}.{os.getpid()}.tmp"
@@ -101,12 +101,16 @@ def _build() -> tuple[ctypes.CDLL | None, int, str | None]:
         library = ctypes.CDLL(str(target))
     except OSError as error:
         return None, 0, f"cannot load {target}: {error}"
-    kinds = library.cats_linear_kernels()
-    arguments = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    for name in ("cats_linear_bf16", "cats_linear_f32"):
-        function = getattr(library, name, None)
-        if function is not None:
-            function.argtypes, function.restype = arguments, None
+    kinds = library.cats_kernels()
+    pointer, size = ctypes.c_void_p, ctypes.c_long
+    signatures = {"linear": [pointer] * 4 + [size] * 3 + [ctypes.c_int],
+                  "attention": [pointer, size, size, pointer, pointer, size, size, pointer, size, pointer] + [size] * 5
+                  + [ctypes.c_float, ctypes.c_int]}
+    for kind, arguments in signatures.items():
+        for suffix in ("bf16", "f32"):
+            function = getattr(library, f"cats_{kind}_{suffix}", None)
+            if function is not None:
+                function.argtypes, function.restype = arguments, None
     if not kinds:
         return None, 0, "this CPU has no AVX-512"
     return library, kinds, None
@@ -173,3 +177,42 @@ def usable(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
             and hidden.shape[-1] == weight.shape[1]
             and not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad))
             and unavailable(weight.dtype) is None)
+
+
+ATTENTION_QUERY_LIMIT = 64  # the attention kernel serves forwards of up to this many tokens (decode steps, drafts and
+# verifications); longer ones (prompts) keep SDPA, whose blocked GEMMs scale better with many queries
+
+
+def attention_usable(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether `attention` can run ``query`` ``[1, Hq, T, D]`` over ``key`` ``[1, Hk, S, D]`` here: CPU, one
+    sequence, T <= `ATTENTION_QUERY_LIMIT`, D a multiple of 32 up to 256 (bf16) or of 16 (float32), rows contiguous,
+    a mask (or none only for one query), the kernels available for the dtype."""
+    batch, heads, length, dim = query.shape
+    return (batch == 1 and length <= ATTENTION_QUERY_LIMIT and query.device.type == "cpu"
+            and query.dtype == key.dtype and dim <= 256 and dim % (32 if query.dtype == torch.bfloat16 else 16) == 0
+            and heads % key.shape[1] == 0 and query.stride(-1) == 1 and key.stride(-1) == 1
+            and (mask is not None or length == 1) and unavailable(query.dtype) is None)
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+              scale: float) -> torch.Tensor:
+    """``softmax(scale * q k^T + mask) v`` for ``query`` ``[1, Hq, T, D]`` over ``key`` / ``value`` ``[1, Hk, S, D]``
+    (grouped-query: head h reads KV head ``h // (Hq / Hk)``), ``mask`` float32 ``[T, S]`` (additive; values below
+    -1e30 hide a key) or None (every key visible); returns ``[1, T, Hq * D]``, the layout the output projection
+    reads. Row-invariant (see ``avx512.c``); check `attention_usable` first."""
+    library, _, reason = _library()
+    if library is None:
+        raise RuntimeError(f"the AVX-512 kernels cannot run here: {reason}")
+    _, heads, length, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    if value.stride() != key.stride():
+        value = value.contiguous()
+        key = key.contiguous()
+    if mask is not None and (mask.dtype != torch.float32 or mask.stride(-1) != 1):
+        mask = mask.to(torch.float32).contiguous()
+    out = query.new_empty(1, length, heads * dim)
+    kernel = library.cats_attention_bf16 if query.dtype == torch.bfloat16 else library.cats_attention_f32
+    kernel(query.data_ptr(), query.stride(1), query.stride(2), key.data_ptr(), value.data_ptr(), key.stride(1),
+           key.stride(2), None if mask is None else mask.data_ptr(), 0 if mask is None else mask.stride(0),
+           out.data_ptr(), heads, kv_heads, length, keys, dim, scale, torch.get_num_threads())
+    return out

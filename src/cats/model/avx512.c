@@ -1,0 +1,391 @@
+/* Row-invariant kernels for the packed CPU forward on AVX-512: the linears, Y[m, n] = sum_k X[m, k] W[n, k] (+ bias[n]),
+ * and attention for a few queries (further below). Built and loaded by cats/model/avx512.py (see its docstring for why
+ * they exist and how they are used).
+ *
+ * Linears:
+ * W is stored in panels of PANEL = 48 output rows, each panel one contiguous stream, so that a call reads the weights
+ * as a single sequential stream:
+ *   bf16:    [ceil(N / 48) panels][ceil(K / 2) pairs][48 outputs][2 values]   (vdpbf16ps' pair layout)
+ *   float32: [ceil(N / 48) panels][K][48 outputs]
+ * rows past N and the odd value past K zero-padded. Per step of k, three vectors of weights (48 outputs) are loaded
+ * once and multiplied with up to 8 rows of X (each value, or bf16 pair, broadcast), accumulating in float32 in one
+ * register lane per output. So every output is the same sequence of operations, whatever M is and however the rows
+ * are tiled or the panels split over threads: its lane accumulates k = 0, 1, 2, ... in order, then bias is added
+ * (and, for bf16, the sum is rounded to nearest even). The results are row-invariant: a token's output does not
+ * depend on how many other tokens share the call. */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PANEL 48 /* outputs per panel: three 16-lane vectors */
+
+/* The tiles: MT rows of X against one panel; sums into out[MT][PANEL]. */
+#define DECLARE(m) __m512 a##m##0 = _mm512_setzero_ps(), a##m##1 = a##m##0, a##m##2 = a##m##0;
+#define KEEP(m)                                    \
+  _mm512_storeu_ps(out + (m) * PANEL, a##m##0);      \
+  _mm512_storeu_ps(out + (m) * PANEL + 16, a##m##1); \
+  _mm512_storeu_ps(out + (m) * PANEL + 32, a##m##2);
+#define ROWS1(S) S(0)
+#define ROWS2(S) S(0) S(1)
+#define ROWS4(S) S(0) S(1) S(2) S(3)
+#define ROWS8(S) S(0) S(1) S(2) S(3) S(4) S(5) S(6) S(7)
+
+static __attribute__((unused)) void split(long panels, long* begin, long* end) {
+  int t = omp_get_thread_num(), count = omp_get_num_threads();
+  long per = (panels + count - 1) / count;
+  *begin = t * per;
+  *end = *begin + per < panels ? *begin + per : panels;
+}
+
+#if defined(__AVX512F__)
+/* ------------------------------------------------------------------------------------------------ float32 */
+#define F32_STEP(m)                                           \
+  {                                                           \
+    __m512 xv = _mm512_set1_ps(x[(m) * ldx + k]);             \
+    a##m##0 = _mm512_fmadd_ps(w0, xv, a##m##0);               \
+    a##m##1 = _mm512_fmadd_ps(w1, xv, a##m##1);               \
+    a##m##2 = _mm512_fmadd_ps(w2, xv, a##m##2);               \
+  }
+#define F32_TILE(MT)                                                                                    \
+  static void f32_tile##MT(const float* w, const float* x, long ldx, long K, float* out) {             \
+    ROWS##MT(DECLARE)                                                                                   \
+    for (long k = 0; k < K; k++) {                                                                      \
+      __m512 w0 = _mm512_loadu_ps(w + k * PANEL), w1 = _mm512_loadu_ps(w + k * PANEL + 16),             \
+             w2 = _mm512_loadu_ps(w + k * PANEL + 32);                                                  \
+      ROWS##MT(F32_STEP)                                                                                \
+    }                                                                                                   \
+    ROWS##MT(KEEP)                                                                                      \
+  }
+F32_TILE(1)
+F32_TILE(2)
+F32_TILE(4)
+F32_TILE(8)
+
+static void f32_panels(const float* W, const float* X, const float* bias, float* Y, long M, long N, long K, long p0,
+                       long p1) {
+  float out[8 * PANEL];
+  for (long p = p0; p < p1; p++) {
+    const float* w = W + p * K * PANEL;
+    long n0 = p * PANEL, count = N - n0 < PANEL ? N - n0 : PANEL;
+    for (long m0 = 0; m0 < M;) {
+      long tile = M - m0 >= 8 ? 8 : M - m0 >= 4 ? 4 : M - m0 >= 2 ? 2 : 1;
+      const float* x = X + m0 * K;
+      if (tile == 8) f32_tile8(w, x, K, K, out);
+      else if (tile == 4) f32_tile4(w, x, K, K, out);
+      else if (tile == 2) f32_tile2(w, x, K, K, out);
+      else f32_tile1(w, x, K, K, out);
+      for (long m = 0; m < tile; m++)
+        for (long i = 0; i < count; i++) Y[(m0 + m) * N + n0 + i] = out[m * PANEL + i] + (bias ? bias[n0 + i] : 0.0f);
+      m0 += tile;
+    }
+  }
+}
+
+void cats_linear_f32(const float* W, const float* X, const float* bias, float* Y, long M, long N, long K,
+                     int threads) {
+  long panels = (N + PANEL - 1) / PANEL;
+  if (threads <= 1 || panels < 2 * threads) {
+    f32_panels(W, X, bias, Y, M, N, K, 0, panels);
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    long p0, p1;
+    split(panels, &p0, &p1);
+    if (p0 < p1) f32_panels(W, X, bias, Y, M, N, K, p0, p1);
+  }
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* ------------------------------------------------------------------------------------------------ bfloat16 */
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch does; NaN stays NaN */
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+static inline __m512bh bf16_pair(const uint16_t* x, long k, long K) { /* x[k], x[k + 1] (0 past K), broadcast */
+  int32_t pair;
+  if (k + 1 < K) memcpy(&pair, x + k, 4);
+  else pair = x[k];
+  return (__m512bh)_mm512_set1_epi32(pair);
+}
+
+#define BF16_STEP(m)                                       \
+  {                                                        \
+    __m512bh xv = bf16_pair(x + (m) * ldx, 2 * k, K);      \
+    a##m##0 = _mm512_dpbf16_ps(a##m##0, w0, xv);           \
+    a##m##1 = _mm512_dpbf16_ps(a##m##1, w1, xv);           \
+    a##m##2 = _mm512_dpbf16_ps(a##m##2, w2, xv);           \
+  }
+#define BF16_TILE(MT)                                                                                    \
+  static void bf16_tile##MT(const uint16_t* w, const uint16_t* x, long ldx, long K, float* out) {       \
+    ROWS##MT(DECLARE)                                                                                    \
+    for (long k = 0; k < (K + 1) / 2; k++) {                                                             \
+      const uint16_t* row = w + k * 2 * PANEL;                                                           \
+      __m512bh w0 = (__m512bh)_mm512_loadu_si512(row), w1 = (__m512bh)_mm512_loadu_si512(row + 32),     \
+               w2 = (__m512bh)_mm512_loadu_si512(row + 64);                                              \
+      ROWS##MT(BF16_STEP)                                                                                \
+    }                                                                                                    \
+    ROWS##MT(KEEP)                                                                                       \
+  }
+BF16_TILE(1)
+BF16_TILE(2)
+BF16_TILE(4)
+BF16_TILE(8)
+
+static void bf16_panels(const uint16_t* W, const uint16_t* X, const float* bias, uint16_t* Y, long M, long N, long K,
+                        long p0, long p1) {
+  long pairs = (K + 1) / 2;
+  float out[8 * PANEL];
+  for (long p = p0; p < p1; p++) {
+    const uint16_t* w = W + p * pairs * 2 * PANEL;
+    long n0 = p * PANEL, count = N - n0 < PANEL ? N - n0 : PANEL;
+    for (long m0 = 0; m0 < M;) {
+      long tile = M - m0 >= 8 ? 8 : M - m0 >= 4 ? 4 : M - m0 >= 2 ? 2 : 1;
+      const uint16_t* x = X + m0 * K;
+      if (tile == 8) bf16_tile8(w, x, K, K, out);
+      else if (tile == 4) bf16_tile4(w, x, K, K, out);
+      else if (tile == 2) bf16_tile2(w, x, K, K, out);
+      else bf16_tile1(w, x, K, K, out);
+      for (long m = 0; m < tile; m++)
+        for (long i = 0; i < count; i++)
+          Y[(m0 + m) * N + n0 + i] = to_bf16(out[m * PANEL + i] + (bias ? bias[n0 + i] : 0.0f));
+      m0 += tile;
+    }
+  }
+}
+
+void cats_linear_bf16(const uint16_t* W, const uint16_t* X, const float* bias, uint16_t* Y, long M, long N, long K,
+                      int threads) {
+  long panels = (N + PANEL - 1) / PANEL;
+  if (threads <= 1 || panels < 2 * threads) {
+    bf16_panels(W, X, bias, Y, M, N, K, 0, panels);
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    long p0, p1;
+    split(panels, &p0, &p1);
+    if (p0 < p1) bf16_panels(W, X, bias, Y, M, N, K, p0, p1);
+  }
+}
+#endif
+
+/* ================================================================================================ attention
+ * out[t, h * D + d] = sum_s p[h, t, s] v[g, s, d],  p = softmax_s(scale * q[h, t] . k[g, s] + mask[t, s]),  g = h / (Hq / Hk)
+ * for a few queries t over S cached keys (grouped-query attention; mask additive float32 [T, S] or NULL = all visible).
+ *
+ * Row-invariant, like the linears: each (head, query) is computed alone, by the same sequence of operations whatever
+ * T is, and a key it does not see (mask below -1e30) contributes nothing: no score, and exactly nothing to either sum,
+ * so a query gets the same bits whether other queries' keys sit between its own or not. Scores: per key, the dot
+ * product over D accumulates in one vector, then 16 keys' vectors are summed across lanes together, each by the same
+ * tree of additions; then scale, mask, and softmax in float32 with an exp accurate to ~1 ulp; the weighted sum of V
+ * and the normaliser accumulate key by key, in slot order. (Compiled with -ffp-contract=off: no fused multiply-add
+ * appears that the source does not spell out.) */
+#if defined(__AVX512F__)
+static inline __m512 exp_le0(__m512 x) { /* exp(x) for x <= 0 (Cephes' expf); 0 below -104 and for -inf */
+  const __m512 low = _mm512_set1_ps(-104.0f);
+  __mmask16 keep = _mm512_cmp_ps_mask(x, low, _CMP_GE_OQ);
+  x = _mm512_max_ps(x, low);
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_scalef_ps(keep, y, n);
+}
+
+#define HIDDEN (-1e30f) /* mask values below this hide the key */
+#define INLINE static inline __attribute__((always_inline))
+
+/* The lane sums of 16 vectors, as one vector (lane i = the sum of x_i's lanes, every x_i by the same tree). */
+
+#define HALVES(a, b) _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE))
+#define QUARTERS(a, b) _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD))
+#define PAIRS(a, b) _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE))
+#define SINGLES(a, b) _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD))
+INLINE __m512 lane_sums16(__m512 x0, __m512 x1, __m512 x2, __m512 x3, __m512 x4, __m512 x5, __m512 x6, __m512 x7,
+                          __m512 x8, __m512 x9, __m512 x10, __m512 x11, __m512 x12, __m512 x13, __m512 x14,
+                          __m512 x15, __m512i order) {
+  __m512 b0 = HALVES(x0, x8), b1 = HALVES(x1, x9), b2 = HALVES(x2, x10), b3 = HALVES(x3, x11);
+  __m512 b4 = HALVES(x4, x12), b5 = HALVES(x5, x13), b6 = HALVES(x6, x14), b7 = HALVES(x7, x15);
+  __m512 c0 = QUARTERS(b0, b4), c1 = QUARTERS(b1, b5), c2 = QUARTERS(b2, b6), c3 = QUARTERS(b3, b7);
+  __m512 d0 = PAIRS(c0, c2), d1 = PAIRS(c1, c3);
+  return _mm512_permutexvar_ps(order, SINGLES(d0, d1)); /* back to key order */
+}
+
+/* scores[s] -> exp(scores[s] - top) in place (hidden keys are -inf: exp gives 0) */
+static void softmax_numerators(float* scores, long S, float top) {
+  __m512 shift = _mm512_set1_ps(top);
+  long s = 0;
+  for (; s + 16 <= S; s += 16) _mm512_storeu_ps(scores + s, exp_le0(_mm512_sub_ps(_mm512_loadu_ps(scores + s), shift)));
+  if (s < S) {
+    __mmask16 rest = (__mmask16)((1u << (S - s)) - 1u);
+    _mm512_mask_storeu_ps(scores + s, rest, exp_le0(_mm512_sub_ps(_mm512_maskz_loadu_ps(rest, scores + s), shift)));
+  }
+}
+
+/* Scores of one query against all keys, 16 keys at a time: DOT(ptr) is the dtype's per-key dot-product vector. */
+#define SCORES(DOT)                                                                                                \
+  float top = -INFINITY;                                                                                           \
+  __m512 scaled = _mm512_set1_ps(scale);                                                                           \
+  for (long s0 = 0; s0 < S; s0 += 16) {                                                                            \
+    __mmask16 shown = 0;                                                                                           \
+    for (int i = 0; i < 16 && s0 + i < S; i++)                                                                     \
+      if (!(mask && mask[s0 + i] < HIDDEN)) shown |= (__mmask16)(1u << i);                                         \
+    __m512 x[16];                                                                                                  \
+    _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++) x[i] =                                                   \
+        (shown >> i) & 1 ? DOT(kp + (s0 + i) * kv_row) : _mm512_setzero_ps();                                      \
+    __m512 sums = lane_sums16(x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], x[8], x[9], x[10], x[11], x[12],     \
+                              x[13], x[14], x[15], order);                                                         \
+    __m512 masked = mask ? _mm512_maskz_loadu_ps(shown, mask + s0) : _mm512_setzero_ps();                          \
+    __m512 values = _mm512_mask_blend_ps(shown, _mm512_set1_ps(-INFINITY),                                         \
+                                         _mm512_add_ps(_mm512_mul_ps(sums, scaled), masked));                      \
+    top = fmaxf(top, _mm512_mask_reduce_max_ps(shown, values));                                                    \
+    long count = S - s0 < 16 ? S - s0 : 16;                                                                        \
+    _mm512_mask_storeu_ps(scores + s0, (__mmask16)((1u << count) - 1u), values);                                   \
+  }
+
+/* result[j] (D / 16 vectors) = sum_s p[s] V[s, :] / sum_s p[s], keys in slot order, hidden keys skipped. */
+#define WEIGHTED_SUM(LOAD16)                                                                                      \
+  __m512 acc[16];                                                                                                 \
+  for (long j = 0; j < D / 16; j++) acc[j] = _mm512_setzero_ps();                                                 \
+  float total = 0.0f;                                                                                             \
+  for (long s = 0; s < S; s++) {                                                                                  \
+    if (mask && mask[s] < HIDDEN) continue;                                                                       \
+    float p = scores[s];                                                                                          \
+    total += p;                                                                                                   \
+    __m512 weight = _mm512_set1_ps(p);                                                                            \
+    for (long j = 0; j < D / 16; j++) acc[j] = _mm512_fmadd_ps(weight, LOAD16(vp + s * kv_row + j * 16), acc[j]); \
+  }                                                                                                               \
+  __m512 norm = _mm512_set1_ps(total);                                                                            \
+  for (long j = 0; j < D / 16; j++) result[j] = _mm512_div_ps(acc[j], norm);
+
+static __m512i lane_order(void) { /* where lane_sums16 puts key i; its inverse restores key order */
+  float probe[16], where[16];
+  __m512 x[16];
+  for (int i = 0; i < 16; i++) {
+    for (int j = 0; j < 16; j++) probe[j] = j == 0 ? (float)i : 0.0f;
+    x[i] = _mm512_loadu_ps(probe);
+  }
+  _mm512_storeu_ps(where, lane_sums16(x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], x[8], x[9], x[10], x[11],
+                                      x[12], x[13], x[14], x[15], _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
+                                                                                   6, 5, 4, 3, 2, 1, 0)));
+  int32_t order[16];
+  for (int lane = 0; lane < 16; lane++) order[(int)where[lane]] = lane;
+  return _mm512_loadu_si512(order);
+}
+
+
+INLINE __m512 f32_dot(const float* q, const float* k, const long D) {
+  __m512 acc = _mm512_setzero_ps();
+  for (long d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), acc);
+  return acc;
+}
+#define F32_DOT(ptr) f32_dot(qp, ptr, D)
+#define F32_LOAD16(ptr) _mm512_loadu_ps(ptr)
+INLINE void f32_attend(const float* qp, const float* kp, const float* vp, long kv_row, const float* mask, long S,
+                       const long D, float scale, float* scores, __m512* result, __m512i order) {
+  SCORES(F32_DOT)
+  softmax_numerators(scores, S, top);
+  WEIGHTED_SUM(F32_LOAD16)
+}
+
+void cats_attention_f32(const float* q, long q_head, long q_row, const float* k, const float* v, long kv_head,
+                        long kv_row, const float* mask, long mask_row, float* out, long Hq, long Hk, long T, long S,
+                        long D, float scale, int threads) {
+  long groups = Hq / Hk, items = Hq * T;
+  __m512i order = lane_order();
+#pragma omp parallel num_threads(threads > items ? (int)items : threads)
+  {
+    float* scores = (float*)malloc(sizeof(float) * (S + 16));
+#pragma omp for schedule(static)
+    for (long item = 0; item < items; item++) {
+      long h = item / T, t = item % T, g = h / groups;
+      const float* qp = q + h * q_head + t * q_row;
+      const float* m = mask ? mask + t * mask_row : NULL;
+      __m512 result[16];
+      if (D == 64) f32_attend(qp, k + g * kv_head, v + g * kv_head, kv_row, m, S, 64, scale, scores, result, order);
+      else if (D == 128)
+        f32_attend(qp, k + g * kv_head, v + g * kv_head, kv_row, m, S, 128, scale, scores, result, order);
+      else f32_attend(qp, k + g * kv_head, v + g * kv_head, kv_row, m, S, D, scale, scores, result, order);
+      float* row = out + t * Hq * D + h * D;
+      for (long j = 0; j < D / 16; j++) _mm512_storeu_ps(row + j * 16, result[j]);
+    }
+    free(scores);
+  }
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+INLINE __m512 bf16_dot(const __m512bh* query, const uint16_t* k, const long D) {
+  __m512 acc = _mm512_setzero_ps();
+  for (long c = 0; c < D / 32; c++) acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(k + c * 32), query[c]);
+  return acc;
+}
+#define BF16_DOT(ptr) bf16_dot(query, ptr, D)
+#define BF16_LOAD16(ptr) \
+  _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(ptr))), 16))
+INLINE void bf16_attend(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, long kv_row, const float* mask,
+                        long S, const long D, float scale, float* scores, __m512* result, __m512i order) {
+  __m512bh query[8];
+  for (long c = 0; c < D / 32; c++) query[c] = (__m512bh)_mm512_loadu_si512(qp + c * 32);
+  SCORES(BF16_DOT)
+  softmax_numerators(scores, S, top);
+  WEIGHTED_SUM(BF16_LOAD16)
+}
+
+void cats_attention_bf16(const uint16_t* q, long q_head, long q_row, const uint16_t* k, const uint16_t* v,
+                         long kv_head, long kv_row, const float* mask, long mask_row, uint16_t* out, long Hq, long Hk,
+                         long T, long S, long D, float scale, int threads) {
+  long groups = Hq / Hk, items = Hq * T;
+  __m512i order = lane_order();
+#pragma omp parallel num_threads(threads > items ? (int)items : threads)
+  {
+    float* scores = (float*)malloc(sizeof(float) * (S + 16));
+#pragma omp for schedule(static)
+    for (long item = 0; item < items; item++) {
+      long h = item / T, t = item % T, g = h / groups;
+      const uint16_t* qp = q + h * q_head + t * q_row;
+      const float* m = mask ? mask + t * mask_row : NULL;
+      __m512 result[16];
+      if (D == 64) bf16_attend(qp, k + g * kv_head, v + g * kv_head, kv_row, m, S, 64, scale, scores, result, order);
+      else if (D == 128)
+        bf16_attend(qp, k + g * kv_head, v + g * kv_head, kv_row, m, S, 128, scale, scores, result, order);
+      else bf16_attend(qp, k + g * kv_head, v + g * kv_head, kv_row, m, S, D, scale, scores, result, order);
+      uint16_t* row = out + t * Hq * D + h * D;
+      float values[16];
+      for (long j = 0; j < D / 16; j++) {
+        _mm512_storeu_ps(values, result[j]);
+        for (int i = 0; i < 16; i++) row[j * 16 + i] = to_bf16(values[i]);
+      }
+    }
+    free(scores);
+  }
+}
+#endif
+
+/* which kernels this build has: 1 = bfloat16 (linear and attention), 2 = float32 (both) */
+int cats_kernels(void) {
+  int kinds = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  kinds |= 1;
+#endif
+#if defined(__AVX512F__)
+  kinds |= 2;
+#endif
+  return kinds;
+}

@@ -1,0 +1,200 @@
+"""The AVX-512 kernels (linears, attention for few queries): right answers on awkward shapes, row-invariant, what
+packed models run on (so bf16 speculative decoding reproduces bf16 plain decoding bit for bit), and a clean fallback
+to oneDNN / SDPA where they cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cats.draft import PromptLookupDrafter
+from cats.generate import GenerationConfig, Generator
+from cats.model import lean, avx512
+from tests.conftest import VOCAB, tiny_model
+
+DTYPES = (torch.bfloat16, torch.float32)
+SHAPES = [(7, 50), (13, 576), (100, 33), (96, 64), (49, 31)]  # outputs off and on the 48-row panels, odd inputs
+
+
+def needs(dtype):
+    reason = avx512.unavailable(dtype)
+    if reason is not None:
+        pytest.skip(f"AVX-512 linear kernels: {reason}")
+
+
+def reference(hidden, weight, bias):
+    out = hidden.double() @ weight.double().T
+    return out if bias is None else out + bias.double()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_matches_float64_reference(dtype, shape, with_bias):
+    needs(dtype)
+    out_features, in_features = shape
+    generator = torch.Generator().manual_seed(out_features * 1000 + in_features)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    bias = torch.randn(out_features, generator=generator).to(dtype) if with_bias else None
+    hidden = torch.randn(2, 3, in_features, generator=generator).to(dtype)  # 6 rows, leading dims kept
+    out = avx512.linear(hidden, avx512.pack(weight), out_features,
+                                    None if bias is None else bias.float())
+    assert out.shape == (2, 3, out_features) and out.dtype == dtype
+    expected = reference(hidden, weight, bias)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    else:  # a float32 sum rounded once to bf16: within one bf16 rounding (2^-8 relative) plus float32 noise
+        assert ((out.double() - expected).abs() <= expected.abs() * 2 ** -8 + 1e-4).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_do_not_depend_on_their_neighbours(dtype):
+    """Row-invariance, bit for bit: each row alone gives what it gives among others, for every tiling of the rows
+    (tiles of 8, 4, 2 and 1 rows) and with the panels split over one or two threads."""
+    needs(dtype)
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(200, 577, generator=generator).to(dtype)
+    packed = avx512.pack(weight)
+    hidden = torch.randn(23, 577, generator=generator).to(dtype)
+    alone = torch.cat([avx512.linear(hidden[i:i + 1], packed, 200) for i in range(len(hidden))])
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in (1, 2, 3, 5, 8, 9, 15, 23):
+                assert torch.equal(avx512.linear(hidden[:rows], packed, 200), alone[:rows])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@torch.no_grad()
+def test_packed_model_runs_on_the_kernels(dtype):
+    """A packed model runs its linears on the kernels' copies alone (no oneDNN copy is made); every method
+    reproduces the packed model's own greedy tokens, and a changed weight is packed again."""
+    needs(dtype)
+    model = tiny_model("qwen2", seed=8, damp=0.1, dtype=dtype)  # qwen2: q, k and v have biases
+    if lean.pack_linears(model)["reason"]:
+        pytest.skip("no oneDNN packing here")
+    prompt = torch.randint(3, VOCAB, (8,), generator=torch.Generator().manual_seed(2)).tolist() * 2
+
+    def greedy(drafter=None):
+        return Generator(model, drafter).generate(prompt, GenerationConfig(max_new_tokens=16)).token_ids
+
+    plain = greedy()
+    down, query = model.layers[0].mlp.down_proj, model.layers[0].self_attn.q_proj
+    assert "_panel" in vars(down) and "_packed" not in vars(down)
+    assert "_fused_panel" in vars(query) and "_fused" not in vars(query)
+    assert greedy(PromptLookupDrafter(num_tokens=4)) == plain
+    avx512.KERNELS["off"] = True
+    try:
+        with_onednn = greedy()
+    finally:
+        avx512.KERNELS["off"] = False
+    if dtype == torch.float32:  # another summation order: tiny differences, the same tokens on this model
+        assert with_onednn == plain
+    ids = torch.tensor(prompt)
+    step = ids[:1]
+    before = model.forward(step, model.new_cache())
+    down.weight.mul_(0.5)
+    assert not torch.equal(model.forward(step, model.new_cache()), before)
+    lean.unpack_linears(model)
+    assert not {"_panel", "_packed", "forward"} & set(vars(down))
+
+
+def test_unavailable_says_why(monkeypatch):
+    monkeypatch.setitem(avx512.KERNELS, "off", True)
+    assert avx512.unavailable(torch.bfloat16) == "switched off (CATS_KERNELS=0)"
+    monkeypatch.setitem(avx512.KERNELS, "off", False)
+    assert avx512.unavailable(torch.float16) == "no kernel for torch.float16"
+    monkeypatch.setattr(avx512, "_STATE", {})
+    monkeypatch.setattr(avx512, "_compiler", lambda: None)
+    assert avx512.unavailable(torch.float32).startswith(("no C compiler found", "the kernels are x86-64"))
+
+
+@torch.no_grad()
+def test_without_the_kernels_packed_linears_use_onednn(monkeypatch):
+    monkeypatch.setattr(avx512, "_STATE", {"library": None, "kinds": 0, "reason": "no C compiler found"})
+    weight = torch.randn(12, 40).to(torch.bfloat16)
+    hidden = torch.randn(1, 40).to(torch.bfloat16)
+    assert not avx512.usable(hidden, weight)
+    if lean.pack_available(torch.bfloat16) is None:
+        out = lean.packed_linear(hidden, weight)
+        assert torch.equal(out, torch.nn.functional.linear(hidden, weight))
+        assert weight in lean._PACKED and weight not in lean._PANEL
+
+
+def attention_case(dtype, heads, kv_heads, queries, keys, dim, seed):
+    generator = torch.Generator().manual_seed(seed)
+    # K/V as strided views of longer buffers, like the slot cache's; q as a transposed view, like the lean forward's
+    key = torch.randn(1, kv_heads, keys + 7, dim, generator=generator).to(dtype)[:, :, :keys]
+    value = torch.randn(1, kv_heads, keys + 7, dim, generator=generator).to(dtype)[:, :, :keys]
+    query = torch.randn(1, queries, heads, dim, generator=generator).to(dtype).transpose(1, 2)
+    return query, key, value
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(9, 3, 1, 300, 64), (9, 3, 8, 41, 64), (4, 4, 5, 37, 128), (8, 2, 17, 100, 64)])
+def test_attention_matches_float64_reference(dtype, shape):
+    needs(dtype)
+    heads, kv_heads, queries, keys, dim = shape
+    query, key, value = attention_case(dtype, heads, kv_heads, queries, keys, dim, seed=queries * keys)
+    visible = torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)
+    mask = torch.zeros(queries, keys).masked_fill(~visible, torch.finfo(dtype).min)
+    assert avx512.attention_usable(query, key, mask)
+    out = avx512.attention(query, key, value, mask if queries > 1 else None, dim ** -0.5)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.double(), key.double(), value.double(), attn_mask=mask.double(), scale=dim ** -0.5,
+        enable_gqa=True).transpose(1, 2).reshape(1, queries, heads * dim)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_of_a_query_ignores_hidden_keys_bit_for_bit(dtype):
+    """A query among others, under a tree-like mask (its visible keys interleaved with hidden ones), gets exactly
+    what it gets alone over only its visible keys, in order: what makes a tree verification's accepted token equal
+    to the same token decoded alone."""
+    needs(dtype)
+    heads, kv_heads, keys, dim = 6, 2, 90, 64
+    query, key, value = attention_case(dtype, heads, kv_heads, 5, keys, dim, seed=5)
+    generator = torch.Generator().manual_seed(6)
+    visible = torch.rand(5, keys, generator=generator) < 0.6
+    visible[:, 0] = True
+    mask = torch.zeros(5, keys).masked_fill(~visible, torch.finfo(dtype).min)
+    together = avx512.attention(query, key, value, mask, 0.125)
+    for t in range(5):
+        shown = visible[t].nonzero().flatten()
+        alone = avx512.attention(query[:, :, t:t + 1], key[:, :, shown], value[:, :, shown], None, 0.125)
+        assert torch.equal(alone[0, 0], together[0, t])
+
+
+@torch.no_grad()
+def test_packed_bf16_speculation_reproduces_packed_plain_decoding_bit_for_bit():
+    """With row-invariant linears and attention, a bf16 token's logits are the same bits whether its forward carries
+    it alone, in a chain or in a tree: every method's greedy tokens equal plain decoding's, and a verification's
+    rows equal the one-token forwards' logits exactly."""
+    needs(torch.bfloat16)
+    from cats.draft import EarlyExitDrafter, TreeDrafter
+
+    model = tiny_model("llama", seed=10, damp=0.1, dtype=torch.bfloat16)
+    if lean.pack_linears(model)["reason"]:
+        pytest.skip("no oneDNN packing here")
+    prompt = torch.randint(3, VOCAB, (12,), generator=torch.Generator().manual_seed(4)).tolist()
+    ids = torch.tensor(prompt)
+    cache = model.new_cache()
+    model.forward(ids[:4], cache)
+    chain = model.forward(ids[4:12], cache)  # 8 tokens at once
+    cache = model.new_cache()
+    model.forward(ids[:4], cache)
+    one_by_one = torch.stack([model.forward(ids[i:i + 1], cache)[0] for i in range(4, 12)])
+    assert torch.equal(chain, one_by_one)
+
+    def greedy(drafter=None):
+        return Generator(model, drafter).generate(prompt, GenerationConfig(max_new_tokens=24)).token_ids
+
+    plain = greedy()
+    assert greedy(PromptLookupDrafter(num_tokens=6)) == plain
+    assert greedy(EarlyExitDrafter(model, layer=1, num_tokens=4)) == plain
+    assert greedy(TreeDrafter(model, layer=1, tree_topk=3, total_tokens=9, depth=3)) == plain
+    lean.unpack_linears(model)
