@@ -112,6 +112,19 @@ def test_unavailable_says_why(monkeypatch):
     assert avx512.unavailable(torch.float32).startswith(("no C compiler found", "the kernels are x86-64"))
 
 
+def test_an_unwritable_kernel_cache_is_a_reason_not_a_crash(monkeypatch, tmp_path):
+    import cats.model.load as load
+
+    if avx512._compiler() is None or avx512.platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("no compiler / not x86-64: the build is never tried")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setattr(load, "cache_root", lambda: blocker / "cache")  # a folder under a file: cannot be made
+    monkeypatch.setattr(avx512, "_STATE", {})
+    reason = avx512.unavailable(torch.float32)
+    assert reason.startswith("building the kernels in") and "a-file" in reason
+
+
 @torch.no_grad()
 def test_without_the_kernels_packed_linears_use_onednn(monkeypatch):
     monkeypatch.setattr(avx512, "_STATE", {"library": None, "kinds": 0, "reason": "no C compiler found"})

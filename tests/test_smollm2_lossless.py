@@ -7,7 +7,11 @@ recycling), `layer-skip` (a fixed skip set at sparsity 0.4, prompt lookup under 
 recycling's trees among its options).
 
 A difference is tolerated only where it is a numerical near-tie of the reference (top-2 logit gap < 1e-4 at the
-first differing position); such cases are counted and printed, never silently passed."""
+first differing position); such cases are counted and printed, never silently passed.
+
+In bfloat16 with packed weights on the AVX-512 kernels (row-invariant linears and attention, `cats.model.avx512`)
+there is no allowance at all: every method must reproduce the packed model's own plain greedy tokens exactly (`pld`
+in the default run, the others in the slow run; skipped where the kernels cannot run)."""
 
 from __future__ import annotations
 
@@ -128,3 +132,48 @@ def test_smollm2_matches_transformers_greedy(smollm2, references, method, capsys
         print(f"\n[smollm2 {method}] {len(references) - len(near_ties)}/{len(references)} identical, "
               f"{len(near_ties)} near-tie divergences {near_ties}; drafts accepted {accepted}/{drafted}")
     assert accepted > 0  # the comparison covered accepted drafts, not only rejections
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bf16 with packed weights on the AVX-512 kernels: every linear and every few-query attention is row-invariant there
+# (cats.model.avx512), so speculative decoding must reproduce packed plain decoding exactly, with no near-tie allowance
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16_packed():
+    from cats.model import avx512
+
+    reason = avx512.unavailable(torch.bfloat16)
+    if reason is not None:
+        pytest.skip(f"AVX-512 bf16 kernels: {reason}")
+    return cats.load(SMOLLM2, dtype="bfloat16", pack_weights=True)
+
+
+@pytest.fixture(scope="module")
+def bf16_packed_references(smollm2_bf16_packed):
+    model = smollm2_bf16_packed
+    questions = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()][:NUM_QUESTIONS]
+    plain = Generator(model)
+    cases = []
+    for question in questions:
+        prompt = encode_prompt(model, question["turns"][0], chat=True)
+        cases.append((question["question_id"], prompt,
+                      plain.generate(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS)).token_ids))
+    return cases
+
+
+@pytest.mark.parametrize("method", ["pld", pytest.param("early-exit", marks=SLOW), pytest.param("tree", marks=SLOW),
+                                    pytest.param("cats", marks=SLOW), pytest.param("eagle", marks=SLOW),
+                                    pytest.param("recycle", marks=SLOW), pytest.param("dytc", marks=SLOW)])
+def test_smollm2_bf16_packed_matches_its_plain_decoding_exactly(smollm2_bf16_packed, bf16_packed_references, method,
+                                                                capsys):
+    generator = make_generator(smollm2_bf16_packed, method)
+    accepted = 0
+    for question_id, prompt, expected in bf16_packed_references:
+        result = generator.generate(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS))
+        accepted += result.stats.accepted_draft_tokens
+        assert result.token_ids == expected, f"question {question_id}: bf16 {method} differs from plain decoding"
+    with capsys.disabled():
+        print(f"\n[smollm2 bf16 packed {method}] {len(bf16_packed_references)}/{len(bf16_packed_references)} "
+              f"identical; drafts accepted {accepted}")
+    assert accepted > 0

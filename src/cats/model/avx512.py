@@ -25,6 +25,7 @@ threads. Without a compiler, without AVX-512 (bf16: AVX512_BF16), off x86-64 Lin
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -84,19 +85,20 @@ def _build() -> tuple[ctypes.CDLL | None, int, str | None]:
     folder = cache_root() / "kernels"
     target = folder / f"avx512-{digest}.so"
     if not target.exists():
-        folder.mkdir(parents=True, exist_ok=True)
         partial = folder / f".{target.name}.{os.getpid()}.tmp"
         try:
+            folder.mkdir(parents=True, exist_ok=True)
             done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True,
                                   text=True, timeout=300)
+            if done.returncode != 0:
+                detail = (done.stderr or done.stdout).strip().splitlines()
+                return None, 0, f"compiling {SOURCE.name} failed: {detail[0] if detail else done.returncode}"
+            os.replace(partial, target)  # atomic: a concurrent process sees the whole library or none
         except (OSError, subprocess.SubprocessError) as error:
-            partial.unlink(missing_ok=True)
-            return None, 0, f"compiling {SOURCE.name} failed: {error}"
-        if done.returncode != 0:
-            partial.unlink(missing_ok=True)
-            detail = (done.stderr or done.stdout).strip().splitlines()
-            return None, 0, f"compiling {SOURCE.name} failed: {detail[0] if detail else done.returncode}"
-        os.replace(partial, target)  # atomic: a concurrent process sees the whole library or none
+            return None, 0, f"building the kernels in {folder} failed: {error}"
+        finally:
+            with contextlib.suppress(OSError):
+                partial.unlink()
     try:
         library = ctypes.CDLL(str(target))
     except OSError as error:

@@ -63,10 +63,10 @@ def load_model(
     ``$CATS_CACHE/layers`` (or ``layer_store``). ``memory_needs`` (`cats.memory.MemoryNeeds`, e.g. from
     `cats.memory.memory_needs` for a method) says what else must fit; ``offload_io`` is ``buffered`` or
     ``direct`` (see docs/memory.md). The plan is ``model.memory_plan``. ``tokenizer``: one already loaded for this
-    model (e.g. to size the plan from the prompt), used instead of loading it again. ``pack_weights`` (bfloat16
-    only): run the decoder layers' and the lm_head's linears through oneDNN-prepacked copies of their weights
-    (`cats.model.lean.pack_linears`: same outputs, faster on CPUs with bf16 support, about the weights' size of
-    extra memory).
+    model (e.g. to size the plan from the prompt), used instead of loading it again. ``pack_weights``
+    (bfloat16 or float32): run the decoder layers' and the lm_head's linears through packed copies of their weights
+    (`cats.model.lean.pack_linears`), on the row-invariant AVX-512 kernels of `cats.model.avx512` where they run
+    (attention over few tokens too), else on oneDNN; faster on CPUs, about the weights' size of extra memory.
 
     Raises:
         ModelNotFoundError: no such path, and not a reachable Hub id.
