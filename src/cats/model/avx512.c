@@ -348,32 +348,123 @@ INLINE void bf16_attend(const uint16_t* qp, const uint16_t* kp, const uint16_t* 
   WEIGHTED_SUM(BF16_LOAD16)
 }
 
+/* bf16 attention, the query heads of one KV head together: the keys a query sees are listed first (in slot order),
+ * and everything after runs over that list, so hidden keys take no part at all. Scores as in f32_attend, per head;
+ * softmax in float32 (the normaliser a vector sum over the list, lanes by list position); the weighted sum of V runs
+ * over consecutive pairs of listed keys by vdpbf16ps (V rows interleaved pairwise, the pair's probabilities rounded
+ * to bf16, as flash attention rounds them), for up to GROUP_HEADS heads per pass sharing each pair's load. */
+#define GROUP_HEADS 4
+static const uint16_t zero_row[256];
+
+INLINE void bf16_attend_group(const uint16_t* const* queries, uint16_t* const* outs, int heads, const uint16_t* kp,
+                              const uint16_t* vp, long kv_row, const float* mask, long S, const long D, float scale,
+                              int32_t* listed, float* scores, __m512i order) {
+  long n = 0; /* the visible keys, in slot order */
+  if (mask) {
+    const __m512i step = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (long s0 = 0; s0 < S; s0 += 16) {
+      __mmask16 in = S - s0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (S - s0)) - 1u);
+      __mmask16 shown = _mm512_mask_cmp_ps_mask(in, _mm512_maskz_loadu_ps(in, mask + s0), _mm512_set1_ps(HIDDEN),
+                                                _CMP_GE_OQ);
+      _mm512_mask_compressstoreu_epi32(listed + n, shown, _mm512_add_epi32(step, _mm512_set1_epi32((int)s0)));
+      n += __builtin_popcount(shown);
+    }
+  } else {
+    for (long s = 0; s < S; s++) listed[s] = (int32_t)s;
+    n = S;
+  }
+  long stride = n + 32;
+  float totals[GROUP_HEADS];
+  for (int head = 0; head < heads; head++) {
+    float* sc = scores + head * stride;
+    __m512bh query[8];
+    for (long c = 0; c < D / 32; c++) query[c] = (__m512bh)_mm512_loadu_si512(queries[head] + c * 32);
+    __m512 scaled = _mm512_set1_ps(scale), top = _mm512_set1_ps(-INFINITY);
+    for (long j0 = 0; j0 < n; j0 += 16) {
+      long count = n - j0 < 16 ? n - j0 : 16;
+      __mmask16 in = (__mmask16)((1u << count) - 1u);
+      __m512 x[16];
+      _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++) x[i] =
+          i < count ? bf16_dot(query, kp + (long)listed[j0 + i] * kv_row, D) : _mm512_setzero_ps();
+      __m512 sums = lane_sums16(x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], x[8], x[9], x[10], x[11], x[12],
+                                x[13], x[14], x[15], order);
+      __m512 added = mask ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), in,
+                                                     _mm512_maskz_loadu_epi32(in, listed + j0), mask, 4)
+                          : _mm512_setzero_ps();
+      __m512 values = _mm512_add_ps(_mm512_mul_ps(sums, scaled), added);
+      top = _mm512_mask_max_ps(top, in, top, values);
+      _mm512_mask_storeu_ps(sc + j0, in, values);
+    }
+    softmax_numerators(sc, n, _mm512_reduce_max_ps(top));
+    __m512 total = _mm512_setzero_ps();
+    for (long j0 = 0; j0 < n; j0 += 16) {
+      __mmask16 in = n - j0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j0)) - 1u);
+      total = _mm512_add_ps(total, _mm512_maskz_loadu_ps(in, sc + j0));
+    }
+    totals[head] = _mm512_reduce_add_ps(total);
+    if (n % 2) sc[n] = 0.0f; /* the odd last key's partner */
+  }
+  __m512 acc[GROUP_HEADS][16];
+  for (int head = 0; head < heads; head++)
+    for (long j = 0; j < D / 16; j++) acc[head][j] = _mm512_setzero_ps();
+  for (long j = 0; j < n; j += 2) {
+    const uint16_t* a = vp + (long)listed[j] * kv_row;
+    const uint16_t* b = j + 1 < n ? vp + (long)listed[j + 1] * kv_row : zero_row;
+    __m512bh pairs[16]; /* chunk c of 32 values: pairs[2c] = d in 8L..8L+3, pairs[2c+1] = 8L+4..8L+7, per 128-bit L */
+    for (long c = 0; c < D / 32; c++) {
+      __m512i va = _mm512_loadu_si512(a + c * 32), vb = _mm512_loadu_si512(b + c * 32);
+      pairs[2 * c] = (__m512bh)_mm512_unpacklo_epi16(va, vb);
+      pairs[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(va, vb);
+    }
+    for (int head = 0; head < heads; head++) {
+      const float* sc = scores + head * stride;
+      __m512bh weight = (__m512bh)_mm512_set1_epi32((int32_t)((uint32_t)to_bf16(sc[j]) |
+                                                              ((uint32_t)to_bf16(sc[j + 1]) << 16)));
+      for (long k = 0; k < D / 16; k++) acc[head][k] = _mm512_dpbf16_ps(acc[head][k], pairs[k], weight);
+    }
+  }
+  for (int head = 0; head < heads; head++) {
+    float lanes[256];
+    for (long k = 0; k < D / 16; k++) _mm512_storeu_ps(lanes + k * 16, acc[head][k]);
+    float inverse_order = totals[head];
+    for (long k = 0; k < D / 16; k++)
+      for (int e = 0; e < 16; e++) { /* lane e of pairs[k]: d = 32 (k / 2) + 8 (e / 4) + 4 (k % 2) + e % 4 */
+        long d = 32 * (k / 2) + 8 * (e / 4) + 4 * (k % 2) + e % 4;
+        outs[head][d] = to_bf16(lanes[k * 16 + e] / inverse_order);
+      }
+  }
+}
+
 void cats_attention_bf16(const uint16_t* q, long q_head, long q_row, const uint16_t* k, const uint16_t* v,
                          long kv_head, long kv_row, const float* mask, long mask_row, uint16_t* out, long Hq, long Hk,
                          long T, long S, long D, float scale, int threads) {
-  long groups = Hq / Hk, items = Hq * T;
+  long groups = Hq / Hk, passes = (groups + GROUP_HEADS - 1) / GROUP_HEADS, items = Hk * T * passes;
   __m512i order = lane_order();
 #pragma omp parallel num_threads(threads > items ? (int)items : threads)
   {
-    float* scores = (float*)malloc(sizeof(float) * (S + 16));
+    int32_t* listed = (int32_t*)malloc(sizeof(int32_t) * (S + 16));
+    float* scores = (float*)malloc(sizeof(float) * GROUP_HEADS * (S + 32));
 #pragma omp for schedule(static)
     for (long item = 0; item < items; item++) {
-      long h = item / T, t = item % T, g = h / groups;
-      const uint16_t* qp = q + h * q_head + t * q_row;
-      const float* m = mask ? mask + t * mask_row : NULL;
-      __m512 result[16];
-      if (D == 64) bf16_attend(qp, k + g * kv_head, v + g * kv_head, kv_row, m, S, 64, scale, scores, result, order);
-      else if (D == 128)
-        bf16_attend(qp, k + g * kv_head, v + g * kv_head, kv_row, m, S, 128, scale, scores, result, order);
-      else bf16_attend(qp, k + g * kv_head, v + g * kv_head, kv_row, m, S, D, scale, scores, result, order);
-      uint16_t* row = out + t * Hq * D + h * D;
-      float values[16];
-      for (long j = 0; j < D / 16; j++) {
-        _mm512_storeu_ps(values, result[j]);
-        for (int i = 0; i < 16; i++) row[j * 16 + i] = to_bf16(values[i]);
+      long g = item / (T * passes), t = (item / passes) % T, pass = item % passes;
+      long first = g * groups + pass * GROUP_HEADS;
+      int heads = (int)(groups - pass * GROUP_HEADS < GROUP_HEADS ? groups - pass * GROUP_HEADS : GROUP_HEADS);
+      const uint16_t* queries[GROUP_HEADS];
+      uint16_t* outs[GROUP_HEADS];
+      for (int i = 0; i < heads; i++) {
+        queries[i] = q + (first + i) * q_head + t * q_row;
+        outs[i] = out + t * Hq * D + (first + i) * D;
       }
+      const float* m = mask ? mask + t * mask_row : NULL;
+      if (D == 64)
+        bf16_attend_group(queries, outs, heads, k + g * kv_head, v + g * kv_head, kv_row, m, S, 64, scale, listed,
+                          scores, order);
+      else
+        bf16_attend_group(queries, outs, heads, k + g * kv_head, v + g * kv_head, kv_row, m, S, D, scale, listed,
+                          scores, order);
     }
     free(scores);
+    free(listed);
   }
 }
 #endif
