@@ -186,9 +186,10 @@ void cats_linear_bf16(const uint16_t* W, const uint16_t* X, const float* bias, u
  * T is, and a key it does not see (mask below -1e30) contributes nothing: no score, and exactly nothing to either sum,
  * so a query gets the same bits whether other queries' keys sit between its own or not. Scores: per key, the dot
  * product over D accumulates in one vector, then 16 keys' vectors are summed across lanes together, each by the same
- * tree of additions; then scale, mask, and softmax in float32 with an exp accurate to ~1 ulp; the weighted sum of V
- * and the normaliser accumulate key by key, in slot order. (Compiled with -ffp-contract=off: no fused multiply-add
- * appears that the source does not spell out.) */
+ * tree of additions; then scale, mask, and softmax in float32 with an exp accurate to ~1 ulp. float32 (f32_attend):
+ * the weighted sum of V and the normaliser accumulate key by key, in slot order, hidden keys skipped. bf16
+ * (bf16_attend_group): over the list of the keys the query sees, see there. (Compiled with -ffp-contract=off: no
+ * fused multiply-add appears that the source does not spell out.) */
 #if defined(__AVX512F__)
 static inline __m512 exp_le0(__m512 x) { /* exp(x) for x <= 0 (Cephes' expf); 0 below -104 and for -inf */
   const __m512 low = _mm512_set1_ps(-104.0f);
@@ -336,18 +337,6 @@ INLINE __m512 bf16_dot(const __m512bh* query, const uint16_t* k, const long D) {
   for (long c = 0; c < D / 32; c++) acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(k + c * 32), query[c]);
   return acc;
 }
-#define BF16_DOT(ptr) bf16_dot(query, ptr, D)
-#define BF16_LOAD16(ptr) \
-  _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(ptr))), 16))
-INLINE void bf16_attend(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, long kv_row, const float* mask,
-                        long S, const long D, float scale, float* scores, __m512* result, __m512i order) {
-  __m512bh query[8];
-  for (long c = 0; c < D / 32; c++) query[c] = (__m512bh)_mm512_loadu_si512(qp + c * 32);
-  SCORES(BF16_DOT)
-  softmax_numerators(scores, S, top);
-  WEIGHTED_SUM(BF16_LOAD16)
-}
-
 /* bf16 attention, the query heads of one KV head together: the keys a query sees are listed first (in slot order),
  * and everything after runs over that list, so hidden keys take no part at all. Scores as in f32_attend, per head;
  * softmax in float32 (the normaliser a vector sum over the list, lanes by list position); the weighted sum of V runs

@@ -1,27 +1,30 @@
-"""AVX-512 linear kernels for packed models: the projections of a forward, read at memory speed, row-invariant.
+"""AVX-512 kernels for packed models: the linears and few-query attention of a forward, fast and row-invariant.
 
 A decode step multiplies one token (a verification: a few) by every weight of the model, so its time is the time to
 stream the weights through the cores. oneDNN, the fastest library path torch offers here, reads a SmolLM2 layer's
 small matrices at ~19 GB/s and pays ~17 µs per call, while this machine streams memory at ~33 GB/s
-(docs/performance.md). The kernels in ``avx512.c`` store each weight in panels of 48 output rows, one
+(docs/performance.md). The linear kernels in ``avx512.c`` store each weight in panels of 48 output rows, one
 contiguous stream each, and multiply up to 8 input rows with every loaded vector of weights (bf16 by ``vdpbf16ps``
-with float32 accumulation, float32 by FMA, each input value broadcast). All of SmolLM2-135M's projections, 2
-threads, same run, oneDNN / these kernels (ms): bf16 1 row 13.1 / 8.3, 8 rows 14.6 / 8.3, 16 rows 18.5 / 13.5,
-32 rows 29.1 / 23.3, 512 rows 339 / 329; float32 1 row 25.6 / 18.8, 16 rows 52.0 / 23.7, 256 rows 362 / 330. They
-are never slower, so a packed model runs every linear on them when they are available, and keeps one packed copy.
+with float32 accumulation, float32 by FMA, each input value broadcast). All of SmolLM2-135M's projections, 2 threads,
+same run, oneDNN / these kernels (ms): bf16 1 row 15.1 / 6.9, 16 rows 21.6 / 14.2, 64 rows 55.3 / 42.9; float32 1
+row 25.6 / 18.8, 16 rows 52.0 / 23.7, 256 rows 362 / 330 (``benchmarks/avx512_kernels.py``). They are never slower,
+so a packed model runs every linear on them when they are available, and keeps one packed copy. The attention kernel
+serves forwards of up to `ATTENTION_QUERY_LIMIT` tokens: 1.4-4.2x packed SDPA on SmolLM2's heads.
 
-**Row-invariant**: each output accumulates its products in its own register lane, k = 0, 1, 2, ... in order, whatever
-the number of rows in the call or their tiling; then bias, then (bf16) rounding to nearest even. So a token's
-projections are the same bits whether a forward carries it alone or among others: a verification computes the
-projections that plain decoding computes. (oneDNN's and aten's GEMMs are not: SmolLM2's bf16 down projection
-rounded a row differently from 8 rows on.) The summation order differs from oneDNN's and aten's, so outputs can
-differ from theirs in the last bits (float32: ~1e-7 relative; bf16: one unit in the last place, now and then).
+**Row-invariant**: each output of a linear accumulates its products in its own register lane, k = 0, 1, 2, ... in
+order, whatever the number of rows in the call or their tiling; then bias, then (bf16) rounding to nearest even. Each
+(head, query) of attention is computed alone over the keys it sees, in slot order. So a token's projections and
+attention are the same bits whether a forward carries it alone or among others, in a chain or in a tree: a
+verification computes what plain decoding computes, and bf16 speculative decoding reproduces bf16 plain decoding
+exactly. (oneDNN's GEMMs and SDPA are not: on SmolLM2 bf16 a row rounded differently from 8 rows on.) The summation
+orders differ from oneDNN's, aten's and SDPA's, so outputs can differ from theirs in the last bits (float32: ~1e-7
+relative; bf16: one unit in the last place, now and then).
 
-Built on first use with the system C compiler (``$CC``, else ``cc`` / ``gcc``: ``-O3 -march=native -fopenmp``) into
-``$CATS_CACHE/kernels`` (named by a hash of the source, the compiler and the CPU, so a rebuild happens only when one
-changes), and loaded with ctypes; OpenMP resolves to the runtime torch already loaded, so the kernels share torch's
-threads. Without a compiler, without AVX-512 (bf16: AVX512_BF16), off x86-64 Linux, or with ``CATS_KERNELS=0``,
-`unavailable` says why and packed models use oneDNN. ctypes releases the GIL while a kernel runs.
+Built on first use with the system C compiler (``$CC``, else ``cc`` / ``gcc``: `FLAGS`) into ``$CATS_CACHE/kernels``
+(named by a hash of the source, the compiler and the CPU, so a rebuild happens only when one changes; ~2 s), and
+loaded with ctypes; OpenMP resolves to the runtime torch already loaded, so the kernels share torch's threads.
+Without a compiler, without AVX-512 (bf16: AVX512_BF16), off x86-64 Linux, or with ``CATS_KERNELS=0``,
+`unavailable` says why and packed models use oneDNN and SDPA. ctypes releases the GIL while a kernel runs.
 """
 from __future__ import annotations
 
@@ -190,7 +193,7 @@ def attention_usable(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor 
     sequence, T <= `ATTENTION_QUERY_LIMIT`, D a multiple of 32 up to 256 (bf16) or of 16 (float32), rows contiguous,
     a mask (or none only for one query), the kernels available for the dtype."""
     batch, heads, length, dim = query.shape
-    return (batch == 1 and length <= ATTENTION_QUERY_LIMIT and query.device.type == "cpu"
+    return (batch == 1 and 1 <= length <= ATTENTION_QUERY_LIMIT and query.device.type == "cpu"
             and query.dtype == key.dtype and dim <= 256 and dim % (32 if query.dtype == torch.bfloat16 else 16) == 0
             and heads % key.shape[1] == 0 and query.stride(-1) == 1 and key.stride(-1) == 1
             and (mask is not None or length == 1) and unavailable(query.dtype) is None)
