@@ -34,10 +34,11 @@ DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
 @torch.inference_mode()
-def step_cost(model, adapter, repeats: int = 60) -> tuple[float, float]:
+def step_cost(model, adapter, repeats: int = 60, marginal: bool = False) -> tuple[float, ...]:
     """Median seconds of one draft step (one token through [0, L) + adapter + head; a feature adapter: its fc,
     block and head on one [feature, token] input; an early-exit feature adapter: [0, L) and then that) and of one
-    full forward."""
+    full forward; with ``marginal`` also of the adapter's part alone (block, norm and head rows on a ready state:
+    what drafting adds to a step whose layers [0, L) the verification reuses)."""
     layer, kind = adapter.config.layer, adapter.config.input
     cache = model.new_cache(extra_layers=1)
     adapter.cache_layer = model.num_layers
@@ -65,8 +66,19 @@ def step_cost(model, adapter, repeats: int = 60) -> tuple[float, float]:
         h = model.forward_layers(model.embed(token), 0, model.num_layers, cache)
         return model.head(h[0]).argmax()
 
+    ready = model.forward_layers(model.embed(torch.tensor([99])), 0, layer, cache) if kind != "features" else None
+    cache.crop(64)
+
+    def adapter_once(token):
+        if kind == "features":
+            return draft_once(token)
+        if kind == "features+hidden":
+            return adapter.logits(adapter(adapter.feature_inputs(normed[-1:], ready[0])[None], cache)[0]).argmax()
+        return adapter.logits(adapter(ready, cache)[0]).argmax()
+
+    parts = [("draft", draft_once), ("full", full_once)] + ([("adapter", adapter_once)] if marginal else [])
     timings = {}
-    for name, fn in (("draft", draft_once), ("full", full_once)):
+    for name, fn in parts:
         samples = []
         for i in range(repeats):
             start = time.perf_counter()
@@ -74,7 +86,7 @@ def step_cost(model, adapter, repeats: int = 60) -> tuple[float, float]:
             samples.append(time.perf_counter() - start)
             cache.crop(64)  # keep the context fixed
         timings[name] = statistics.median(samples[5:])
-    return timings["draft"], timings["full"]
+    return (timings["draft"], timings["full"]) + ((timings["adapter"],) if marginal else ())
 
 
 def main(argv: list[str] | None = None) -> int:

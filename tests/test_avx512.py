@@ -147,7 +147,9 @@ def attention_case(dtype, heads, kv_heads, queries, keys, dim, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(9, 3, 1, 300, 64), (9, 3, 8, 41, 64), (4, 4, 5, 37, 128), (8, 2, 17, 100, 64)])
+@pytest.mark.parametrize("shape", [(9, 3, 1, 300, 64), (9, 3, 8, 41, 64), (4, 4, 5, 37, 128), (8, 2, 17, 100, 64),
+                                   (12, 2, 3, 40, 64), (8, 2, 2, 33, 128), (4, 2, 3, 50, 96)])  # heads per KV head:
+# 3, 3, 1, 4, 6 (two passes of at most four), 4, 2; head sizes 64, 128 and 96 (the kernels' generic size)
 def test_attention_matches_float64_reference(dtype, shape):
     needs(dtype)
     heads, kv_heads, queries, keys, dim = shape

@@ -340,14 +340,14 @@ INLINE __m512 bf16_dot(const __m512bh* query, const uint16_t* k, const long D) {
 /* bf16 attention, the query heads of one KV head together: the keys a query sees are listed first (in slot order),
  * and everything after runs over that list, so hidden keys take no part at all. Scores as in f32_attend, per head;
  * softmax in float32 (the normaliser a vector sum over the list, lanes by list position); the weighted sum of V runs
- * over consecutive pairs of listed keys by vdpbf16ps (V rows interleaved pairwise, the pair's probabilities rounded
- * to bf16, as flash attention rounds them), for up to GROUP_HEADS heads per pass sharing each pair's load. */
+ * over consecutive pairs of listed keys by vdpbf16ps (V rows interleaved pairwise, the probabilities rounded to
+ * bf16 by vcvtneps2bf16, as flash attention rounds them), for up to GROUP_HEADS heads per pass sharing each pair's load. */
 #define GROUP_HEADS 4
 static const uint16_t zero_row[256];
 
 INLINE void bf16_attend_group(const uint16_t* const* queries, uint16_t* const* outs, int heads, const uint16_t* kp,
                               const uint16_t* vp, long kv_row, const float* mask, long S, const long D, float scale,
-                              int32_t* listed, float* scores, __m512i order) {
+                              int32_t* listed, float* scores, uint16_t* probabilities, __m512i order) {
   long n = 0; /* the visible keys, in slot order */
   if (mask) {
     const __m512i step = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -391,7 +391,12 @@ INLINE void bf16_attend_group(const uint16_t* const* queries, uint16_t* const* o
       total = _mm512_add_ps(total, _mm512_maskz_loadu_ps(in, sc + j0));
     }
     totals[head] = _mm512_reduce_add_ps(total);
-    if (n % 2) sc[n] = 0.0f; /* the odd last key's partner */
+    uint16_t* pb = probabilities + head * stride; /* bf16 (round to nearest even), pairs read as one 32-bit value */
+    for (long j0 = 0; j0 < n; j0 += 16) {
+      __mmask16 in = n - j0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j0)) - 1u);
+      _mm256_mask_storeu_epi16(pb + j0, in, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(in, sc + j0)));
+    }
+    pb[n] = 0; /* the odd last key's partner */
   }
   __m512 acc[GROUP_HEADS][16];
   for (int head = 0; head < heads; head++)
@@ -406,9 +411,9 @@ INLINE void bf16_attend_group(const uint16_t* const* queries, uint16_t* const* o
       pairs[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(va, vb);
     }
     for (int head = 0; head < heads; head++) {
-      const float* sc = scores + head * stride;
-      __m512bh weight = (__m512bh)_mm512_set1_epi32((int32_t)((uint32_t)to_bf16(sc[j]) |
-                                                              ((uint32_t)to_bf16(sc[j + 1]) << 16)));
+      int32_t pair;
+      memcpy(&pair, probabilities + head * stride + j, 4);
+      __m512bh weight = (__m512bh)_mm512_set1_epi32(pair);
       for (long k = 0; k < D / 16; k++) acc[head][k] = _mm512_dpbf16_ps(acc[head][k], pairs[k], weight);
     }
   }
@@ -433,6 +438,7 @@ void cats_attention_bf16(const uint16_t* q, long q_head, long q_row, const uint1
   {
     int32_t* listed = (int32_t*)malloc(sizeof(int32_t) * (S + 16));
     float* scores = (float*)malloc(sizeof(float) * GROUP_HEADS * (S + 32));
+    uint16_t* probabilities = (uint16_t*)malloc(sizeof(uint16_t) * GROUP_HEADS * (S + 32));
 #pragma omp for schedule(static)
     for (long item = 0; item < items; item++) {
       long g = item / (T * passes), t = (item / passes) % T, pass = item % passes;
@@ -447,11 +453,12 @@ void cats_attention_bf16(const uint16_t* q, long q_head, long q_row, const uint1
       const float* m = mask ? mask + t * mask_row : NULL;
       if (D == 64)
         bf16_attend_group(queries, outs, heads, k + g * kv_head, v + g * kv_head, kv_row, m, S, 64, scale, listed,
-                          scores, order);
+                          scores, probabilities, order);
       else
         bf16_attend_group(queries, outs, heads, k + g * kv_head, v + g * kv_head, kv_row, m, S, D, scale, listed,
-                          scores, order);
+                          scores, probabilities, order);
     }
+    free(probabilities);
     free(scores);
     free(listed);
   }

@@ -49,7 +49,8 @@ KERNELS = {"off": os.environ.get("CATS_KERNELS", "1").strip().lower() in ("0", "
 # ``KERNELS["off"] = True`` keeps oneDNN for every call meanwhile (A/B timing in one process)
 
 _LOCK = threading.Lock()
-_STATE: dict = {}  # "library", "kinds", "reason" once the build was tried
+_STATE: dict = {}  # "library", "kinds", "reason" once the build was tried; then per dtype whether it runs, and the
+# ctypes functions by (kind, dtype)
 
 
 def _compiler() -> str | None:
@@ -158,30 +159,43 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, PANEL, columns).transpose(1, 2).contiguous()
 
 
+def _kernel(kind: str, dtype: torch.dtype):
+    """The ctypes function ``cats_{kind}_{bf16|f32}`` (kept in `_STATE`: called for every linear of every forward)."""
+    key = (kind, dtype)
+    function = _STATE.get(key)
+    if function is None:
+        library, _, reason = _library()
+        if library is None:
+            raise RuntimeError(f"the AVX-512 kernels cannot run here: {reason}")
+        function = _STATE[key] = getattr(library, f"cats_{kind}_{'bf16' if dtype == torch.bfloat16 else 'f32'}")
+    return function
+
+
 def linear(hidden: torch.Tensor, packed: torch.Tensor, out_features: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """``hidden @ W.T (+ bias)`` for ``hidden`` ``[..., K]``, with ``packed`` = `pack`\\ (W) (same dtype as ``hidden``)
-    and ``bias`` a float32 vector or None (see `usable` for when to)."""
-    library, _, reason = _library()
-    if library is None:
-        raise RuntimeError(f"the AVX-512 linear kernels cannot run here: {reason}")
-    hidden = hidden.contiguous()
+    and ``bias`` a float32 vector or None (see `usable` for when to). (Kept lean: it runs for every linear of every
+    forward, ~1 µs of Python around the kernel.)"""
+    kernel = _kernel("linear", hidden.dtype)
+    if not hidden.is_contiguous():
+        hidden = hidden.contiguous()
     columns = hidden.shape[-1]
-    rows = hidden.numel() // columns if columns else 0
-    out = hidden.new_empty(*hidden.shape[:-1], out_features)
-    kernel = library.cats_linear_bf16 if hidden.dtype == torch.bfloat16 else library.cats_linear_f32
-    kernel(packed.data_ptr(), hidden.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), rows,
-           out_features, columns, torch.get_num_threads())
+    out = hidden.new_empty(hidden.shape[:-1] + (out_features,))
+    kernel(packed.data_ptr(), hidden.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+           hidden.numel() // columns if columns else 0, out_features, columns, torch.get_num_threads())
     return out
 
 
 def usable(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a linear of ``weight`` on ``hidden`` should run on the kernels: CPU tensors of one dtype, no autograd,
-    the kernels available for the dtype."""
-    return (hidden.dtype == weight.dtype and hidden.device.type == "cpu" and hidden.dim() > 0
-            and hidden.shape[-1] == weight.shape[1]
-            and not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad))
-            and unavailable(weight.dtype) is None)
+    the kernels available for the dtype (availability is looked up once per dtype)."""
+    if KERNELS["off"] or hidden.dtype != weight.dtype:
+        return False
+    ready = _STATE.get(weight.dtype)
+    if ready is None:
+        ready = _STATE[weight.dtype] = unavailable(weight.dtype) is None
+    return (ready and hidden.is_cpu and hidden.dim() > 0 and hidden.shape[-1] == weight.shape[1]
+            and not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)))
 
 
 ATTENTION_QUERY_LIMIT = 64  # the attention kernel serves forwards of up to this many tokens (decode steps, drafts and
@@ -205,9 +219,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     (grouped-query: head h reads KV head ``h // (Hq / Hk)``), ``mask`` float32 ``[T, S]`` (additive; values below
     -1e30 hide a key) or None (every key visible); returns ``[1, T, Hq * D]``, the layout the output projection
     reads. Row-invariant (see ``avx512.c``); check `attention_usable` first."""
-    library, _, reason = _library()
-    if library is None:
-        raise RuntimeError(f"the AVX-512 kernels cannot run here: {reason}")
+    kernel = _kernel("attention", query.dtype)
     _, heads, length, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     if value.stride() != key.stride():
@@ -216,7 +228,6 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     if mask is not None and (mask.dtype != torch.float32 or mask.stride(-1) != 1):
         mask = mask.to(torch.float32).contiguous()
     out = query.new_empty(1, length, heads * dim)
-    kernel = library.cats_attention_bf16 if query.dtype == torch.bfloat16 else library.cats_attention_f32
     kernel(query.data_ptr(), query.stride(1), query.stride(2), key.data_ptr(), value.data_ptr(), key.stride(1),
            key.stride(2), None if mask is None else mask.data_ptr(), 0 if mask is None else mask.stride(0),
            out.data_ptr(), heads, kv_heads, length, keys, dim, scale, torch.get_num_threads())
