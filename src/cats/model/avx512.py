@@ -9,7 +9,7 @@ with float32 accumulation, float32 by FMA, each input value broadcast). All of S
 same run, oneDNN / these kernels (ms): bf16 1 row 15.1 / 6.9, 16 rows 21.6 / 14.2, 64 rows 55.3 / 42.9; float32 1
 row 25.6 / 18.8, 16 rows 52.0 / 23.7, 256 rows 362 / 330 (``benchmarks/avx512_kernels.py``). They are never slower,
 so a packed model runs every linear on them when they are available, and keeps one packed copy. The attention kernel
-serves forwards of up to `ATTENTION_QUERY_LIMIT` tokens: 1.4-4.2x packed SDPA on SmolLM2's heads.
+serves forwards of up to `ATTENTION_QUERY_LIMIT` tokens: 1.4-4.8x packed SDPA on SmolLM2's heads.
 
 **Row-invariant**: each output of a linear accumulates its products in its own register lane, k = 0, 1, 2, ... in
 order, whatever the number of rows in the call or their tiling; then bias, then (bf16) rounding to nearest even. Each
