@@ -2,9 +2,10 @@
 instance ``forward`` is redirected: parameter names and objects do not change, so memory streaming and adapters keep
 working).
 
-* `pack_linears` (``--pack-weights``, bf16 or float32): the linears run on oneDNN-prepacked copies of their weights
-  (bf16: the same outputs as aten's; float32: equal up to the last bits, see below; the copies are extra memory, so
-  it is refused under a memory budget, see `check_packing`).
+* `pack_linears` (``--pack-weights``, bf16 or float32): the linears run on packed copies of their weights, on the
+  row-invariant AVX-512 kernels of `cats.model.avx512` where they run, else on oneDNN (bf16: the same outputs as
+  aten's; float32: equal up to the last bits, see below); the kernels' outputs differ from both in the last bits.
+  The copies are extra memory, so packing is refused under a memory budget, see `check_packing`.
 * `compile_layers` (API only; slower in every configuration measured, see docs/performance.md): `torch.compile`
   (inductor) of each layer's MLP and its two norms. All layers share one compiled graph per input shape (the
   parameters are graph inputs), so compiling costs seconds, not one compile per layer. Attention (rotary, the KV
@@ -174,8 +175,8 @@ def packed_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if PACKING["off"] or weight.dtype not in PACKED_DTYPES or hidden.dtype != weight.dtype:
         return nn.functional.linear(hidden, weight, bias)
     if avx512.usable(hidden, weight):
-        _, blocked, bias32 = _panel_copy(_PANEL, weight, weight, bias)
-        return avx512.linear(hidden, blocked, weight.shape[0], bias32)
+        _, panels, bias32 = _panel_copy(_PANEL, weight, weight, bias)
+        return avx512.linear(hidden, panels, weight.shape[0], bias32)
     return torch.ops.mkldnn._linear_pointwise(hidden, _packed_copy(_PACKED, weight, weight), bias, "none", [], "")
 
 
@@ -221,8 +222,8 @@ def _packed_linear_forward(module: nn.Linear, hidden: torch.Tensor) -> torch.Ten
     if PACKING["off"] or hidden.dtype != weight.dtype:
         return nn.functional.linear(hidden, weight, bias)
     if avx512.usable(hidden, weight):
-        _, blocked, bias32 = _panel_copy(module.__dict__, "_panel", weight, bias)
-        return avx512.linear(hidden, blocked, weight.shape[0], bias32)
+        _, panels, bias32 = _panel_copy(module.__dict__, "_panel", weight, bias)
+        return avx512.linear(hidden, panels, weight.shape[0], bias32)
     return torch.ops.mkldnn._linear_pointwise(hidden, _packed_copy(module.__dict__, "_packed", weight), bias, "none",
                                               [], "")
 
