@@ -239,42 +239,6 @@ static void softmax_numerators(float* scores, long S, float top) {
   }
 }
 
-/* Scores of one query against all keys, 16 keys at a time: DOT(ptr) is the dtype's per-key dot-product vector. */
-#define SCORES(DOT)                                                                                                \
-  float top = -INFINITY;                                                                                           \
-  __m512 scaled = _mm512_set1_ps(scale);                                                                           \
-  for (long s0 = 0; s0 < S; s0 += 16) {                                                                            \
-    __mmask16 shown = 0;                                                                                           \
-    for (int i = 0; i < 16 && s0 + i < S; i++)                                                                     \
-      if (!(mask && mask[s0 + i] < HIDDEN)) shown |= (__mmask16)(1u << i);                                         \
-    __m512 x[16];                                                                                                  \
-    _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++) x[i] =                                                   \
-        (shown >> i) & 1 ? DOT(kp + (s0 + i) * kv_row) : _mm512_setzero_ps();                                      \
-    __m512 sums = lane_sums16(x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], x[8], x[9], x[10], x[11], x[12],     \
-                              x[13], x[14], x[15], order);                                                         \
-    __m512 masked = mask ? _mm512_maskz_loadu_ps(shown, mask + s0) : _mm512_setzero_ps();                          \
-    __m512 values = _mm512_mask_blend_ps(shown, _mm512_set1_ps(-INFINITY),                                         \
-                                         _mm512_add_ps(_mm512_mul_ps(sums, scaled), masked));                      \
-    top = fmaxf(top, _mm512_mask_reduce_max_ps(shown, values));                                                    \
-    long count = S - s0 < 16 ? S - s0 : 16;                                                                        \
-    _mm512_mask_storeu_ps(scores + s0, (__mmask16)((1u << count) - 1u), values);                                   \
-  }
-
-/* result[j] (D / 16 vectors) = sum_s p[s] V[s, :] / sum_s p[s], keys in slot order, hidden keys skipped. */
-#define WEIGHTED_SUM(LOAD16)                                                                                      \
-  __m512 acc[16];                                                                                                 \
-  for (long j = 0; j < D / 16; j++) acc[j] = _mm512_setzero_ps();                                                 \
-  float total = 0.0f;                                                                                             \
-  for (long s = 0; s < S; s++) {                                                                                  \
-    if (mask && mask[s] < HIDDEN) continue;                                                                       \
-    float p = scores[s];                                                                                          \
-    total += p;                                                                                                   \
-    __m512 weight = _mm512_set1_ps(p);                                                                            \
-    for (long j = 0; j < D / 16; j++) acc[j] = _mm512_fmadd_ps(weight, LOAD16(vp + s * kv_row + j * 16), acc[j]); \
-  }                                                                                                               \
-  __m512 norm = _mm512_set1_ps(total);                                                                            \
-  for (long j = 0; j < D / 16; j++) result[j] = _mm512_div_ps(acc[j], norm);
-
 static __m512i lane_order(void) { /* where lane_sums16 puts key i; its inverse restores key order */
   float probe[16], where[16];
   __m512 x[16];
@@ -296,13 +260,44 @@ INLINE __m512 f32_dot(const float* q, const float* k, const long D) {
   for (long d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), acc);
   return acc;
 }
-#define F32_DOT(ptr) f32_dot(qp, ptr, D)
-#define F32_LOAD16(ptr) _mm512_loadu_ps(ptr)
+
+/* float32 attention of one (head, query): result[j] (D / 16 vectors) = sum_s p[s] V[s, :] / sum_s p[s]. Scores 16
+ * keys at a time (hidden ones get -inf); the weighted sum and the normaliser key by key in slot order, hidden keys
+ * skipped. */
 INLINE void f32_attend(const float* qp, const float* kp, const float* vp, long kv_row, const float* mask, long S,
                        const long D, float scale, float* scores, __m512* result, __m512i order) {
-  SCORES(F32_DOT)
+  float top = -INFINITY;
+  __m512 scaled = _mm512_set1_ps(scale);
+  for (long s0 = 0; s0 < S; s0 += 16) {
+    __mmask16 shown = 0;
+    for (int i = 0; i < 16 && s0 + i < S; i++)
+      if (!(mask && mask[s0 + i] < HIDDEN)) shown |= (__mmask16)(1u << i);
+    __m512 x[16];
+    _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++) x[i] =
+        (shown >> i) & 1 ? f32_dot(qp, kp + (s0 + i) * kv_row, D) : _mm512_setzero_ps();
+    __m512 sums = lane_sums16(x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], x[8], x[9], x[10], x[11], x[12],
+                              x[13], x[14], x[15], order);
+    __m512 masked = mask ? _mm512_maskz_loadu_ps(shown, mask + s0) : _mm512_setzero_ps();
+    __m512 values = _mm512_mask_blend_ps(shown, _mm512_set1_ps(-INFINITY),
+                                         _mm512_add_ps(_mm512_mul_ps(sums, scaled), masked));
+    top = fmaxf(top, _mm512_mask_reduce_max_ps(shown, values));
+    long count = S - s0 < 16 ? S - s0 : 16;
+    _mm512_mask_storeu_ps(scores + s0, (__mmask16)((1u << count) - 1u), values);
+  }
   softmax_numerators(scores, S, top);
-  WEIGHTED_SUM(F32_LOAD16)
+  __m512 acc[16];
+  for (long j = 0; j < D / 16; j++) acc[j] = _mm512_setzero_ps();
+  float total = 0.0f;
+  for (long s = 0; s < S; s++) {
+    if (mask && mask[s] < HIDDEN) continue;
+    float p = scores[s];
+    total += p;
+    __m512 weight = _mm512_set1_ps(p);
+    for (long j = 0; j < D / 16; j++)
+      acc[j] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(vp + s * kv_row + j * 16), acc[j]);
+  }
+  __m512 norm = _mm512_set1_ps(total);
+  for (long j = 0; j < D / 16; j++) result[j] = _mm512_div_ps(acc[j], norm);
 }
 
 void cats_attention_f32(const float* q, long q_head, long q_row, const float* k, const float* v, long kv_head,
@@ -420,11 +415,10 @@ INLINE void bf16_attend_group(const uint16_t* const* queries, uint16_t* const* o
   for (int head = 0; head < heads; head++) {
     float lanes[256];
     for (long k = 0; k < D / 16; k++) _mm512_storeu_ps(lanes + k * 16, acc[head][k]);
-    float inverse_order = totals[head];
     for (long k = 0; k < D / 16; k++)
       for (int e = 0; e < 16; e++) { /* lane e of pairs[k]: d = 32 (k / 2) + 8 (e / 4) + 4 (k % 2) + e % 4 */
         long d = 32 * (k / 2) + 8 * (e / 4) + 4 * (k % 2) + e % 4;
-        outs[head][d] = to_bf16(lanes[k * 16 + e] / inverse_order);
+        outs[head][d] = to_bf16(lanes[k * 16 + e] / totals[head]);
       }
   }
 }

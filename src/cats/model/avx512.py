@@ -186,15 +186,21 @@ def linear(hidden: torch.Tensor, packed: torch.Tensor, out_features: int,
     return out
 
 
+def _ready(dtype: torch.dtype) -> bool:
+    """`unavailable` (dtype) is None, looked up once per dtype (the per-call checks of the hot path)."""
+    if KERNELS["off"]:
+        return False
+    ready = _STATE.get(dtype)
+    if ready is None:
+        ready = _STATE[dtype] = unavailable(dtype) is None
+    return ready
+
+
 def usable(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a linear of ``weight`` on ``hidden`` should run on the kernels: CPU tensors of one dtype, no autograd,
-    the kernels available for the dtype (availability is looked up once per dtype)."""
-    if KERNELS["off"] or hidden.dtype != weight.dtype:
-        return False
-    ready = _STATE.get(weight.dtype)
-    if ready is None:
-        ready = _STATE[weight.dtype] = unavailable(weight.dtype) is None
-    return (ready and hidden.is_cpu and hidden.dim() > 0 and hidden.shape[-1] == weight.shape[1]
+    the kernels available for the dtype."""
+    return (hidden.dtype == weight.dtype and _ready(weight.dtype) and hidden.is_cpu and hidden.dim() > 0
+            and hidden.shape[-1] == weight.shape[1]
             and not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)))
 
 
@@ -207,10 +213,10 @@ def attention_usable(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor 
     sequence, T <= `ATTENTION_QUERY_LIMIT`, D a multiple of 32 up to 256 (bf16) or of 16 (float32), rows contiguous,
     a mask (or none only for one query), the kernels available for the dtype."""
     batch, heads, length, dim = query.shape
-    return (batch == 1 and 1 <= length <= ATTENTION_QUERY_LIMIT and query.device.type == "cpu"
-            and query.dtype == key.dtype and dim <= 256 and dim % (32 if query.dtype == torch.bfloat16 else 16) == 0
-            and heads % key.shape[1] == 0 and query.stride(-1) == 1 and key.stride(-1) == 1
-            and (mask is not None or length == 1) and unavailable(query.dtype) is None)
+    return (batch == 1 and 1 <= length <= ATTENTION_QUERY_LIMIT and query.is_cpu and query.dtype == key.dtype
+            and dim <= 256 and dim % (32 if query.dtype == torch.bfloat16 else 16) == 0 and heads % key.shape[1] == 0
+            and query.stride(-1) == 1 and key.stride(-1) == 1 and (mask is not None or length == 1)
+            and _ready(query.dtype))
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
