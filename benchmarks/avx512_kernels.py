@@ -3,7 +3,8 @@
 1. linears: all of the model's projections (one call per linear, as a forward makes them) on oneDNN's prepacked
    weights against the kernels' panels, for several row counts;
 2. attention: packed SDPA (the lean forward's few-query path) against the kernel, for several query and key counts;
-3. whole forwards of the packed model with the kernels off (oneDNN + SDPA), the linear kernels only, and both.
+3. whole forwards of the packed model with the kernels off (oneDNN + SDPA), the linear kernels only, both, and
+   the whole-layer kernel (`avx512.layer`: each decoder layer in one call).
 
     python benchmarks/avx512_kernels.py [--model M] [--dtype bfloat16] [--threads 2]
 
@@ -83,11 +84,13 @@ def attention(model, keys_list, queries_list, rounds: int) -> None:
 
 
 def forwards(model, context: int, tokens_list, rounds: int) -> None:
-    usable = avx512.attention_usable
+    usable, fusable = avx512.attention_usable, list(model._fused_layers)
+    never = [False] * len(fusable)
     states = {
-        "kernels off": (True, lambda *args: False),
-        "linear kernels": (False, lambda *args: False),
-        "linear + attention kernels": (False, usable),
+        "kernels off": (True, lambda *args: False, never),
+        "linear kernels": (False, lambda *args: False, never),
+        "linear + attention kernels": (False, usable, never),
+        "whole-layer kernel": (False, usable, fusable),
     }
     print(f"\n### Whole forwards, packed model, {context} cached tokens, ms\n")
     print("| tokens | " + " | ".join(states) + " |\n|---|" + "---|" * len(states))
@@ -99,7 +102,7 @@ def forwards(model, context: int, tokens_list, rounds: int) -> None:
 
             def run(state):
                 def forward():
-                    avx512.KERNELS["off"], avx512.attention_usable = state
+                    avx512.KERNELS["off"], avx512.attention_usable, model._fused_layers = state
                     model.forward(ids, cache)
                     cache.crop(context)
                 return forward
@@ -107,7 +110,7 @@ def forwards(model, context: int, tokens_list, rounds: int) -> None:
             try:
                 times = interleaved({name: run(state) for name, state in states.items()}, rounds)
             finally:
-                avx512.KERNELS["off"], avx512.attention_usable = False, usable
+                avx512.KERNELS["off"], avx512.attention_usable, model._fused_layers = False, usable, fusable
             print(f"| {tokens} | " + " | ".join(f"{times[name] * 1e3:.2f}" for name in states) + " |")
 
 

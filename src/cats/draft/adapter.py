@@ -29,7 +29,8 @@ from torch import nn
 from cats.errors import CatsError
 from cats.model import KVCache, LayeredModel
 from cats.model.identity import model_identity
-from cats.model.lean_layer import lean_layer_forward, lean_unsupported
+from cats.model.lean_layer import (fused_layer_forward, fused_ready, fused_unsupported, lean_layer_forward,
+                                   lean_unsupported)
 
 FORMAT = "cats-adapter/1"
 ROLES = ("draft", "shallow")
@@ -123,6 +124,7 @@ class Adapter(nn.Module):
         self._head_rows: torch.Tensor | None = None
         self._packed = False
         self._lean: bool | None = None  # whether the block has a lean forward (`_lean_block`)
+        self._fused: bool | None = None  # whether it can run the whole-layer kernel (`_fused_block`)
 
     @torch.no_grad()
     def _init_fc(self, model: LayeredModel) -> None:
@@ -147,6 +149,12 @@ class Adapter(nn.Module):
         if self._lean is None:
             self._lean = lean_unsupported(self.block) is None
         return self._lean
+
+    def _fused_block(self) -> bool:
+        """Whether the block can run the whole-layer kernel once packed (`cats.model.lean_layer.fused_unsupported`)."""
+        if self._fused is None:
+            self._fused = fused_unsupported(self.block) is None
+        return self._fused
 
     @property
     def cache_layer(self) -> int:
@@ -184,7 +192,12 @@ class Adapter(nn.Module):
         else:
             positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0).expand(hidden.shape[0], -1)
         rotary = model.rotary(hidden, positions, self.kind)
-        if cache is not None and model.lean and not self.training and self._lean_block():
+        if (cache is not None and self._packed and model.lean and not model.exact_attention and not self.training
+                and self._fused_block() and fused_ready(hidden, attention_mask, rotary, self.block.self_attn.head_dim)):
+            out = hidden.clone(memory_format=torch.contiguous_format)  # the whole-layer kernel works in place
+            if not fused_layer_forward(self.block, out, attention_mask, rotary, cache.hf_cache):
+                out = lean_layer_forward(self.block, hidden, attention_mask, rotary, cache.hf_cache, kernels=True)
+        elif cache is not None and model.lean and not self.training and self._lean_block():
             out = lean_layer_forward(self.block, hidden, attention_mask, rotary, cache.hf_cache,
                                      pack_queries=not model.exact_attention, kernels=model.packed)
         else:

@@ -459,6 +459,216 @@ void cats_attention_bf16(const uint16_t* q, long q_head, long q_row, const uint1
 }
 #endif
 
+/* ================================================================================================ one decoder layer
+ * A Llama-style decoder layer (Llama, Mistral, Qwen2: RMSNorm, q/k/v with optional biases, rotary over the whole head,
+ * grouped-query attention, o, RMSNorm, SiLU-gated MLP) for a few tokens, in one call and one OpenMP region: what the
+ * lean forward does with ~40 torch ops and five kernel calls per layer. The linears and attention are the kernels
+ * above (so the same bits as there); the elementwise steps round to bf16 after every op exactly where torch's bf16
+ * ops round (norm: float32 inside, then `weight * x.to(bf16)`; rotary: each product, then the sum; residual adds;
+ * `silu(gate)` then `* up`), so the layer is row-invariant too: every token's results are computed by the same
+ * operations whatever T is. (The RMSNorm's sum of squares and SiLU's exp are this file's own, so the last bits can
+ * differ from torch's here and there.) ``hidden`` [T, H] is updated in place; the new tokens' K and V are written to
+ * slots past .. past + T - 1 of the cache buffers ([Hk][capacity][D] per layer); scratch holds the intermediates. */
+#if defined(__AVX512F__)
+struct cats_layer {
+  int bf16; /* element type: 1 = bfloat16, 0 = float32 */
+  long H, Hq, Hk, D, inter;
+  float eps1, eps2, scale;
+  const void *ln1, *ln2;                  /* [H] */
+  const void* qkv; const float* qkv_bias;  /* panels of [q; k; v] ([Hq D + 2 Hk D, H]), float32 bias or NULL */
+  const void* o; const float* o_bias;      /* [H, Hq D] */
+  const void* gate_up; const float* gate_up_bias; /* [gate; up] ([2 inter, H]) */
+  const void* down; const float* down_bias; /* [H, inter] */
+};
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HAS_BF16 1
+INLINE float bf16_value(uint16_t x) {
+  uint32_t u = (uint32_t)x << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+#else
+#define HAS_BF16 0
+INLINE float bf16_value(uint16_t x) { (void)x; return 0.0f; }
+static inline uint16_t to_bf16(float f) { (void)f; return 0; }
+#endif
+
+INLINE float load_at(const void* p, long i, int bf16) {
+  return bf16 ? bf16_value(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+INLINE void store_at(void* p, long i, float v, int bf16) {
+  if (bf16) ((uint16_t*)p)[i] = to_bf16(v);
+  else ((float*)p)[i] = v;
+}
+INLINE float rounded(float v, int bf16) { return bf16 ? bf16_value(to_bf16(v)) : v; }
+
+/* RMSNorm of one row: out = w * (x * rsqrt(mean(x^2) + eps)), the product rounded as torch rounds it */
+static void norm_row(const void* x, const void* w, void* out, long H, float eps, int bf16) {
+  __m512 acc = _mm512_setzero_ps();
+  float row[H];
+  for (long i = 0; i < H; i++) row[i] = load_at(x, i, bf16);
+  long i = 0;
+  for (; i + 16 <= H; i += 16) {
+    __m512 v = _mm512_loadu_ps(row + i);
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+  }
+  float sum = _mm512_reduce_add_ps(acc);
+  for (; i < H; i++) sum += row[i] * row[i];
+  float scale = 1.0f / sqrtf(sum / (float)H + eps);
+  for (long j = 0; j < H; j++) store_at(out, j, load_at(w, j, bf16) * rounded(row[j] * scale, bf16), bf16);
+}
+
+/* the linear y = x W^T (+ bias) of M rows, this thread's share of the panels (caller: barrier after) */
+static void shared_linear(const void* W, const void* X, const float* bias, void* Y, long M, long N, long K, int bf16) {
+  long p0, p1;
+  split((N + PANEL - 1) / PANEL, &p0, &p1);
+  if (p0 >= p1) return;
+#if HAS_BF16
+  if (bf16) {
+    bf16_panels((const uint16_t*)W, (const uint16_t*)X, bias, (uint16_t*)Y, M, N, K, p0, p1);
+    return;
+  }
+#endif
+  f32_panels((const float*)W, (const float*)X, bias, (float*)Y, M, N, K, p0, p1);
+}
+
+void cats_layer(const struct cats_layer* L, void* hidden, long T, const void* cos, const void* sin, void* kbuf,
+                void* vbuf, long kv_head, long past, const float* mask, long mask_row, void* scratch, int threads) {
+  const int bf16 = L->bf16;
+  const long H = L->H, D = L->D, Hq = L->Hq, Hk = L->Hk, I = L->inter, S = past + T, half = D / 2;
+  const long qw = Hq * D, kw = Hk * D, width = qw + 2 * kw, size = bf16 ? 2 : 4;
+  char* at = (char*)scratch;
+  void* normed = at; at += T * H * size;
+  void* qkv = at; at += T * width * size;
+  void* query = at; at += T * qw * size;
+  void* attended = at; at += T * qw * size;
+  void* projected = at; at += T * H * size;
+  void* gate_up = at; at += T * 2 * I * size;
+  void* activated = at;
+  long groups = Hq / Hk, passes = (groups + GROUP_HEADS - 1) / GROUP_HEADS;
+  long items = bf16 ? Hk * T * passes : Hq * T;
+  __m512i order = lane_order();
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (long t = 0; t < T; t++)
+      norm_row((char*)hidden + t * H * size, L->ln1, (char*)normed + t * H * size, H, L->eps1, bf16);
+    shared_linear(L->qkv, normed, L->qkv_bias, qkv, T, width, H, bf16);
+#pragma omp barrier
+    /* rotary on q and k (x cos + rotate_half(x) sin, each product rounded, then the sum), K and V into the cache */
+#pragma omp for schedule(static)
+    for (long item = 0; item < T * (Hq + Hk); item++) {
+      long t = item / (Hq + Hk), head = item % (Hq + Hk);
+      const char* row = (const char*)qkv + (t * width + head * D) * size;
+      void* target = head < Hq ? (void*)((char*)query + (t * qw + head * D) * size)
+                               : (void*)((char*)kbuf + ((head - Hq) * kv_head + (past + t) * D) * size);
+      for (long d = 0; d < D; d++) {
+        float x = load_at(row, d, bf16);
+        float turned = d < half ? -load_at(row, d + half, bf16) : load_at(row, d - half, bf16);
+        float c = load_at(cos, t * D + d, bf16), s = load_at(sin, t * D + d, bf16);
+        store_at(target, d, rounded(x * c, bf16) + rounded(turned * s, bf16), bf16);
+      }
+      if (head >= Hq) /* its V */
+        memcpy((char*)vbuf + ((head - Hq) * kv_head + (past + t) * D) * size,
+               (const char*)qkv + (t * width + qw + kw + (head - Hq) * D) * size, D * size);
+    }
+    {
+      int32_t* listed = (int32_t*)malloc(sizeof(int32_t) * (S + 16));
+      float* scores = (float*)malloc(sizeof(float) * GROUP_HEADS * (S + 32));
+      uint16_t* probabilities = (uint16_t*)malloc(sizeof(uint16_t) * GROUP_HEADS * (S + 32));
+#pragma omp for schedule(static)
+      for (long item = 0; item < items; item++) {
+        const float* m;
+        if (bf16) {
+#if HAS_BF16
+          long g = item / (T * passes), t = (item / passes) % T, pass = item % passes;
+          long first = g * groups + pass * GROUP_HEADS;
+          int heads = (int)(groups - pass * GROUP_HEADS < GROUP_HEADS ? groups - pass * GROUP_HEADS : GROUP_HEADS);
+          const uint16_t* queries[GROUP_HEADS];
+          uint16_t* outs[GROUP_HEADS];
+          for (int i = 0; i < heads; i++) {
+            queries[i] = (const uint16_t*)query + t * qw + (first + i) * D;
+            outs[i] = (uint16_t*)attended + t * qw + (first + i) * D;
+          }
+          m = mask ? mask + t * mask_row : NULL;
+          const uint16_t *kp = (const uint16_t*)kbuf + g * kv_head, *vp = (const uint16_t*)vbuf + g * kv_head;
+          if (D == 64)
+            bf16_attend_group(queries, outs, heads, kp, vp, D, m, S, 64, L->scale, listed, scores, probabilities,
+                              order);
+          else
+            bf16_attend_group(queries, outs, heads, kp, vp, D, m, S, D, L->scale, listed, scores, probabilities,
+                              order);
+#endif
+        } else {
+          long h = item / T, t = item % T, g = h / groups;
+          const float* qp = (const float*)query + t * qw + h * D;
+          m = mask ? mask + t * mask_row : NULL;
+          __m512 result[16];
+          const float *kp = (const float*)kbuf + g * kv_head, *vp = (const float*)vbuf + g * kv_head;
+          if (D == 64) f32_attend(qp, kp, vp, D, m, S, 64, L->scale, scores, result, order);
+          else if (D == 128) f32_attend(qp, kp, vp, D, m, S, 128, L->scale, scores, result, order);
+          else f32_attend(qp, kp, vp, D, m, S, D, L->scale, scores, result, order);
+          float* row = (float*)attended + t * qw + h * D;
+          for (long j = 0; j < D / 16; j++) _mm512_storeu_ps(row + j * 16, result[j]);
+        }
+      }
+      free(probabilities);
+      free(scores);
+      free(listed);
+    }
+    shared_linear(L->o, attended, L->o_bias, projected, T, H, qw, bf16);
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (long t = 0; t < T; t++) {
+      char* row = (char*)hidden + t * H * size;
+      const char* update = (const char*)projected + t * H * size;
+      for (long j = 0; j < H; j++) store_at(row, j, load_at(row, j, bf16) + load_at(update, j, bf16), bf16);
+      norm_row(row, L->ln2, (char*)normed + t * H * size, H, L->eps2, bf16);
+    }
+    shared_linear(L->gate_up, normed, L->gate_up_bias, gate_up, T, 2 * I, H, bf16);
+#pragma omp barrier
+    /* silu(gate) = gate / (1 + exp(-gate)) (gate >= 0) or gate e / (1 + e), e = exp(gate) (gate < 0), rounded; then
+     * times up, rounded */
+#pragma omp for schedule(static)
+    for (long t = 0; t < T; t++) {
+      const char* row = (const char*)gate_up + t * 2 * I * size;
+      float gates[16], ups[16], values[16];
+      for (long j0 = 0; j0 < I; j0 += 16) {
+        long count = I - j0 < 16 ? I - j0 : 16;
+        for (long j = 0; j < count; j++) {
+          gates[j] = load_at(row, j0 + j, bf16);
+          ups[j] = load_at(row, I + j0 + j, bf16);
+        }
+        for (long j = count; j < 16; j++) gates[j] = ups[j] = 0.0f;
+        __m512 g = _mm512_loadu_ps(gates), one = _mm512_set1_ps(1.0f);
+        __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+        __m512 e = exp_le0(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+        __m512 numerator = _mm512_mask_mul_ps(g, negative, g, e);
+        _mm512_storeu_ps(values, _mm512_div_ps(numerator, _mm512_add_ps(one, e)));
+        for (long j = 0; j < count; j++)
+          store_at((char*)activated + t * I * size, j0 + j, rounded(values[j], bf16) * ups[j], bf16);
+      }
+    }
+    shared_linear(L->down, activated, L->down_bias, projected, T, H, I, bf16);
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (long t = 0; t < T; t++) {
+      char* row = (char*)hidden + t * H * size;
+      const char* update = (const char*)projected + t * H * size;
+      for (long j = 0; j < H; j++) store_at(row, j, load_at(row, j, bf16) + load_at(update, j, bf16), bf16);
+    }
+  }
+}
+
+/* bytes of scratch cats_layer needs for T tokens */
+long cats_layer_scratch(const struct cats_layer* L, long T) {
+  long qw = L->Hq * L->D, width = qw + 2 * L->Hk * L->D;
+  return T * (2 * L->H + width + 2 * qw + 3 * L->inter) * (L->bf16 ? 2 : 4);
+}
+#endif
+
 /* which kernels this build has: 1 = bfloat16 (linear and attention), 2 = float32 (both) */
 int cats_kernels(void) {
   int kinds = 0;

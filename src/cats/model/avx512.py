@@ -117,6 +117,12 @@ def _build() -> tuple[ctypes.CDLL | None, int, str | None]:
             function = getattr(library, f"cats_{kind}_{suffix}", None)
             if function is not None:
                 function.argtypes, function.restype = arguments, None
+    if hasattr(library, "cats_layer"):
+        spec = ctypes.POINTER(LayerSpec)
+        library.cats_layer.argtypes = [spec, pointer, size, pointer, pointer, pointer, pointer, size, size, pointer,
+                                       size, pointer, ctypes.c_int]
+        library.cats_layer.restype = None
+        library.cats_layer_scratch.argtypes, library.cats_layer_scratch.restype = [spec, size], size
     if not kinds:
         return None, 0, "this CPU has no AVX-512"
     return library, kinds, None
@@ -238,3 +244,44 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
            key.stride(2), None if mask is None else mask.data_ptr(), 0 if mask is None else mask.stride(0),
            out.data_ptr(), heads, kv_heads, length, keys, dim, scale, torch.get_num_threads())
     return out
+
+
+class LayerSpec(ctypes.Structure):
+    """One Llama-style decoder layer for `layer` (``struct cats_layer`` in ``avx512.c``): shapes, norm epsilons, the
+    attention scale, and pointers to the norm weights, the packed panels of [q; k; v], o, [gate; up] and down, and
+    their float32 biases (or NULL). Whoever builds one keeps the tensors it points to alive."""
+
+    _fields_ = [("bf16", ctypes.c_int), ("H", ctypes.c_long), ("Hq", ctypes.c_long), ("Hk", ctypes.c_long),
+                ("D", ctypes.c_long), ("inter", ctypes.c_long), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
+                ("scale", ctypes.c_float), ("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p),
+                ("qkv", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p), ("o", ctypes.c_void_p),
+                ("o_bias", ctypes.c_void_p), ("gate_up", ctypes.c_void_p), ("gate_up_bias", ctypes.c_void_p),
+                ("down", ctypes.c_void_p), ("down_bias", ctypes.c_void_p)]
+
+
+def layer_ready(dtype: torch.dtype) -> bool:
+    """Whether `layer` can run ``dtype`` here (the kernels built, with the whole-layer function)."""
+    return _ready(dtype) and hasattr(_STATE.get("library"), "cats_layer")
+
+
+_SCRATCH = threading.local()  # per thread: one byte buffer for the layer's intermediates, grown as needed
+
+
+def layer(spec: LayerSpec, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+          values: torch.Tensor, past: int, mask: torch.Tensor | None) -> None:
+    """One decoder layer (``spec``) on ``hidden`` ``[1, T, H]`` (contiguous; updated in place), T <=
+    `ATTENTION_QUERY_LIMIT`: the new tokens' K/V go to slots ``past .. past + T - 1`` of the layer's cache buffers
+    ``keys``/``values`` ``[1, Hk, capacity, D]`` (contiguous, room checked by the caller), and attention reads slots
+    ``[0, past + T)`` under ``mask`` (float32 ``[T, past + T]``, or None for one query that sees every slot).
+    ``cos``/``sin``: the rotary tables ``[1, T, D]`` in the model's dtype, contiguous. Same linears and attention as
+    `linear` and `attention`, so row-invariant alike (see ``avx512.c``)."""
+    library = _STATE["library"]
+    length = hidden.shape[1]
+    reference = ctypes.byref(spec)
+    needed = library.cats_layer_scratch(reference, length)
+    scratch = getattr(_SCRATCH, "buffer", None)
+    if scratch is None or scratch.numel() < needed:
+        scratch = _SCRATCH.buffer = torch.empty(max(needed, 1 << 20), dtype=torch.uint8)
+    library.cats_layer(reference, hidden.data_ptr(), length, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
+                       values.data_ptr(), keys.stride(1), past, None if mask is None else mask.data_ptr(),
+                       0 if mask is None else mask.stride(0), scratch.data_ptr(), torch.get_num_threads())

@@ -73,6 +73,17 @@ class SlotLayer(CacheLayerMixin):
         self._set_length(end)
         return self.keys, self.values
 
+    def reserve(self, count: int, heads: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Room for ``count`` more slots: ``(keys buffer, values buffer, first free slot)``, the buffers
+        ``[1, heads, capacity, dim]`` (allocated or grown as `update` would); the caller writes the slots and then
+        sets the length (``_set_length``)."""
+        if not self.is_initialized:
+            self.lazy_initialization(torch.empty(1, heads, 0, dim, dtype=dtype), torch.empty(1, heads, 0, dim, dtype=dtype))
+        start = self.length
+        self._keys = _grown(self._keys, start, start + count, -2)
+        self._values = _grown(self._values, start, start + count, -2)
+        return self._keys, self._values, start
+
     def _set_length(self, length: int) -> None:
         self.length = length
         if self._keys is not None:

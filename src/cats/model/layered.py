@@ -13,8 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from cats.errors import UnsupportedArchitectureError
+from cats.model.avx512 import ATTENTION_QUERY_LIMIT
 from cats.model.cache import KVCache
-from cats.model.lean_layer import exact_attention_default, lean_default, lean_layer_forward, lean_unsupported
+from cats.model.lean_layer import (exact_attention_default, fused_layer_forward, fused_ready, fused_unsupported,
+                                   lean_default, lean_layer_forward, lean_unsupported)
 
 # model_type -> family name shown to users. All of them keep their decoder in `model.model.layers`, the rotary
 # embedding in `model.model.rotary_emb`, the final norm in `model.model.norm` and the head in `model.lm_head`.
@@ -93,6 +95,10 @@ class LayeredModel:
         self.lean = lean_default()
         self.exact_attention = exact_attention_default()  # lean, but transformers' single-query attention (CATS_LEAN=exact)
         self._lean_layers = [lean_unsupported(layer) is None for layer in self.layers[: self.num_layers]]
+        # layers the whole-layer kernel can run once packed (`cats.model.lean_layer.fused_layer_forward`)
+        self._fused_layers = [fused_unsupported(layer) is None for layer in self.layers[: self.num_layers]]
+        self._fused_head_dim = next((layer.self_attn.head_dim for layer, fused in zip(self.layers, self._fused_layers)
+                                     if fused), 0)
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -201,8 +207,16 @@ class LayeredModel:
         device_positions = position_ids.to(self.device).unsqueeze(0)
         rotary = {kind: self.rotary(hidden, device_positions, kind) for kind in kinds}
         weights = self.weights
+        fused = {}  # per attention kind: whether the whole-layer kernel runs this forward
+        if (self.packed and self.lean and not self.exact_attention and weights is None
+                and num_new <= ATTENTION_QUERY_LIMIT and any(self._fused_layers[start:end])):
+            hidden = hidden.clone(memory_format=torch.contiguous_format)  # it works in place: not on the caller's
+            fused = {kind: fused_ready(hidden, masks[kind], rotary[kind], self._fused_head_dim) for kind in kinds}
         for i in range(start, end):
             kind = self.layer_types[i]
+            if fused.get(kind) and self._fused_layers[i] and fused_layer_forward(
+                    self.layers[i], hidden, masks[kind], rotary[kind], cache.hf_cache):
+                continue
             if weights is not None:  # a streamed layer's parameters are real only between acquire and release
                 weights.acquire(i)
             try:

@@ -121,6 +121,8 @@ PACKING = {"off": False}  # set "off" to run packed linears eagerly (A/B timing 
 _PACKED = WeakIdKeyDictionary()  # weight tensor -> ((data_ptr, version), packed copy), for weights outside a module
 # (a packed module keeps its copy in ``module.__dict__["_packed"]``, a fused group in its first module's "_fused")
 _PANEL = WeakIdKeyDictionary()  # the same for the AVX-512 kernels' copies ("_panel" and "_fused_panel" in modules)
+LAYER_SPECS = WeakIdKeyDictionary()  # decoder layer -> its whole-layer kernel spec (`lean_layer._layer_spec`): kept
+# outside the module, which adapters deep-copy (a ctypes struct of pointers cannot be copied)
 
 
 @contextlib.contextmanager
@@ -193,13 +195,25 @@ def fused_linear(hidden: torch.Tensor, modules) -> torch.Tensor | None:
     weights changes. (Called for every layer of every forward: the checks are kept to plain dict lookups.)"""
     if PACKING["off"]:
         return None
+    panel = avx512.usable(hidden, modules[0]._parameters["weight"])
+    entry = fused_copy(modules, hidden.dtype, panel)
+    if entry is None:
+        return None
+    if panel:
+        return avx512.linear(hidden, entry[1], sum(module.out_features for module in modules), entry[2])
+    return torch.ops.mkldnn._linear_pointwise(hidden, entry[1], entry[2], "none", [], "")
+
+
+def fused_copy(modules, dtype: torch.dtype, panel: bool) -> tuple | None:
+    """``(key, packed weight, bias)`` of ``modules``' concatenated weights (see `fused_linear`): the AVX-512 kernels'
+    panels and a float32 bias (``panel``), else oneDNN's copy; kept by the first module, made again whenever a weight
+    changed; None if a module is not packed or the weights are not ``dtype``."""
     weights = [module._parameters["weight"] for module in modules]
     key = [_weight_key(weight) for weight in weights]
-    panel = avx512.usable(hidden, weights[0])
     slot = "_fused_panel" if panel else "_fused"
     entry = modules[0].__dict__.get(slot)  # only packed modules get one (`unpack_linears` drops it)
     if entry is None or entry[0] != key:
-        if not all(is_packed(module) for module in modules) or hidden.dtype != weights[0].dtype:
+        if not all(is_packed(module) for module in modules) or dtype != weights[0].dtype:
             return None
         bias = None
         if any(module.bias is not None for module in modules):
@@ -211,9 +225,13 @@ def fused_linear(hidden: torch.Tensor, modules) -> torch.Tensor | None:
         else:
             entry = (key, _pack(weight), bias)
         modules[0].__dict__[slot] = entry
-    if panel:
-        return avx512.linear(hidden, entry[1], sum(w.shape[0] for w in weights), entry[2])
-    return torch.ops.mkldnn._linear_pointwise(hidden, entry[1], entry[2], "none", [], "")
+    return entry
+
+
+def panel_copy(module: nn.Linear) -> tuple:
+    """``(key, panels, float32 bias or None)`` of a packed ``module`` for the AVX-512 kernels (the copy its forward
+    uses, made again whenever its weight or bias changed)."""
+    return _panel_copy(module.__dict__, "_panel", module._parameters["weight"], module._parameters["bias"])
 
 
 def _packed_linear_forward(module: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
@@ -291,4 +309,5 @@ def unpack_linears(model) -> None:
             if is_packed(inner):
                 for name in ("forward", "_packed", "_fused", "_panel", "_fused_panel"):
                     inner.__dict__.pop(name, None)
+        LAYER_SPECS.pop(module, None)
     model.packed = False

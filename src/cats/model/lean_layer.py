@@ -38,7 +38,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from cats.model import avx512
-from cats.model.lean import fused_linear
+from cats.model.lean import LAYER_SPECS, _weight_key, fused_copy, fused_linear, is_packed, panel_copy
 
 # decoder layer classes whose forward is exactly: x + attn(input_layernorm(x)); x + mlp(post_attention_layernorm(x))
 LEAN_LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
@@ -235,3 +235,114 @@ def lean_layer_forward(layer: nn.Module, hidden: torch.Tensor, attention_mask: t
         gate, up = fused.chunk(2, dim=-1) if fused is not None else (mlp.gate_proj(normed), mlp.up_proj(normed))
         activation = mlp.act_fn
     return hidden + mlp.down_proj(activation(gate) * up)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The whole layer in one kernel call (`avx512.layer`): for a packed model on the AVX-512 kernels, a Llama-style layer
+# over a few tokens (decode steps, drafts, verifications) runs as one C function instead of ~40 torch ops and five
+# kernel calls; the linears and attention are the same kernels, so it stays row-invariant.
+
+FUSED_LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"})
+
+
+def fused_unsupported(layer: nn.Module) -> str | None:
+    """None if `fused_layer_forward` can run ``layer`` (once packed, on the kernels), else why not."""
+    reason = lean_unsupported(layer)
+    if reason is not None:
+        return reason
+    name = type(layer).__name__
+    if name not in FUSED_LAYER_CLASSES:
+        return f"{name} has no whole-layer kernel"
+    attention, mlp = layer.self_attn, layer.mlp
+    if attention._modules.get("q_norm") is not None:
+        return "per-head q/k norms"
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if any(type(norm).__name__ not in LEAN_NORM_CLASSES for norm in norms):
+        return "not a Llama-style RMSNorm"
+    if getattr(mlp.config, "hidden_act", None) not in ("silu", "swish"):
+        return f"activation {getattr(mlp.config, 'hidden_act', None)!r}"
+    dim, heads = attention.head_dim, attention.config.num_attention_heads
+    if dim % 16 or dim > 256 or heads % attention.config.num_key_value_heads:  # (bf16: dim % 32, checked per call)
+        return f"head size {dim}"
+    return None
+
+
+def _layer_parts(layer: nn.Module) -> tuple:
+    """The modules `_layer_spec` reads: the two norms, q, k, v, o, gate, up, down (looked up in ``_modules``: ~1 µs,
+    on every call)."""
+    modules = layer._modules
+    attention, mlp = modules["self_attn"]._modules, modules["mlp"]._modules
+    return (modules["input_layernorm"], modules["post_attention_layernorm"], attention["q_proj"], attention["k_proj"],
+            attention["v_proj"], attention["o_proj"], mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"])
+
+
+def _parts_key(parts: tuple) -> list:
+    """What identifies the parts' weights and biases: each tensor's storage and version (`lean._weight_key`)."""
+    key = []
+    for module in parts:
+        for tensor in module._parameters.values():
+            if tensor is not None:
+                key.append(_weight_key(tensor))
+    return key
+
+
+def _layer_spec(layer: nn.Module, dtype: torch.dtype):
+    """The layer's `avx512.LayerSpec` over its packed copies, or None if a linear is not packed or a weight is not
+    ``dtype``; kept in the layer with what it points to, made again whenever a weight or bias changed (checked on
+    every call: the same modules, their tensors' storage and version; ~3 µs)."""
+    entry = LAYER_SPECS.get(layer)
+    parts = _layer_parts(layer)
+    if entry is not None and entry[1] == parts and entry[2] == _parts_key(parts):
+        return entry[0]
+    first_norm, second_norm, linears = parts[0], parts[1], parts[2:]
+    norms = (first_norm.weight, second_norm.weight)
+    if not all(is_packed(module) for module in linears) or any(w.dtype != dtype for w in norms):
+        return None
+    qkv, gate_up = fused_copy(linears[:3], dtype, True), fused_copy(linears[4:6], dtype, True)
+    if qkv is None or gate_up is None:
+        return None
+    _, o, o_bias = panel_copy(linears[3])
+    _, down, down_bias = panel_copy(linears[6])
+    norms = tuple(norm.detach().contiguous() for norm in norms)
+    attention = layer.self_attn
+    config = attention.config
+    pointer = lambda tensor: None if tensor is None else tensor.data_ptr()  # noqa: E731
+    spec = avx512.LayerSpec(
+        bf16=int(dtype == torch.bfloat16), H=config.hidden_size, Hq=config.num_attention_heads,
+        Hk=config.num_key_value_heads, D=attention.head_dim, inter=linears[4].out_features,
+        eps1=first_norm.variance_epsilon, eps2=second_norm.variance_epsilon, scale=attention.scaling,
+        ln1=norms[0].data_ptr(), ln2=norms[1].data_ptr(), qkv=qkv[1].data_ptr(), qkv_bias=pointer(qkv[2]),
+        o=o.data_ptr(), o_bias=pointer(o_bias), gate_up=gate_up[1].data_ptr(), gate_up_bias=pointer(gate_up[2]),
+        down=down.data_ptr(), down_bias=pointer(down_bias))
+    LAYER_SPECS[layer] = (spec, parts, _parts_key(parts), (norms, qkv, gate_up, o, o_bias, down, down_bias))
+    return spec
+
+
+def fused_ready(hidden: torch.Tensor, attention_mask: torch.Tensor | None,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor], head_dim: int) -> bool:
+    """Whether `fused_layer_forward` can run a forward of ``hidden`` ``[1, T, H]`` here (checked once per forward):
+    T up to `avx512.ATTENTION_QUERY_LIMIT`, one sequence, contiguous, a rotary over the whole head in the model's
+    dtype, a mask unless T is 1, no autograd, the kernels built for the dtype (bf16: head size a multiple of 32)."""
+    batch, length, _ = hidden.shape
+    cos = position_embeddings[0]
+    return (batch == 1 and length <= avx512.ATTENTION_QUERY_LIMIT and cos.shape[-1] == head_dim
+            and hidden.is_contiguous() and (attention_mask is not None or length == 1)
+            and not torch.is_grad_enabled() and cos.dtype == hidden.dtype
+            and not (head_dim % 32 and hidden.dtype == torch.bfloat16) and avx512.layer_ready(hidden.dtype))
+
+
+def fused_layer_forward(layer: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
+                        position_embeddings: tuple[torch.Tensor, torch.Tensor], cache) -> bool:
+    """Run ``layer`` (`fused_unsupported` None) on ``hidden`` ``[1, T, H]`` **in place** through `avx512.layer`,
+    appending the tokens' K/V to ``cache`` (a transformers cache of `SlotLayer`\ s) at the layer's index, where
+    `fused_ready` holds for the forward; False (and nothing done) if the layer's linears are not packed."""
+    spec = _layer_spec(layer, hidden.dtype)
+    if spec is None:
+        return False
+    length = hidden.shape[1]
+    slot = cache.layers[layer.self_attn.layer_idx]
+    keys, values, past = slot.reserve(length, spec.Hk, spec.D, hidden.dtype)
+    cos, sin = position_embeddings
+    avx512.layer(spec, hidden, cos, sin, keys, values, past, _float_mask(attention_mask))
+    slot._set_length(past + length)
+    return True
