@@ -212,3 +212,19 @@ def test_cats_methods_with_adapters_report_the_cascade(tmp_path):
     assert shallow["nodes_drafted"] > 0 and 0 <= shallow["keep_rate"] <= 1
     assert "shallow" not in methods["cats-no-shallow"] and "shallow" not in methods["tree"]
     assert methods["cats"]["settings"]["cascade"]["sv_threshold"] == 0.02
+
+
+def test_no_progress_also_silences_a_first_use_calibration(tmp_path):
+    """--no-progress: no bar at all, not even the skip-set calibration that layer-skip runs on first use (an empty
+    cache: it calibrates); without the flag the calibration says what it does."""
+    environment = dict(os.environ, CATS_CACHE=str(tmp_path / "cache"))
+    args = [*BASE_ARGS[:-1], "--limit", "1", "--max-new-tokens", "4", "--warmup", "0", "--methods", "ar,layer-skip"]
+    quiet = subprocess.run(cats_command() + ["bench", *args, "--no-progress", "--out", str(tmp_path / "quiet")],
+                           capture_output=True, text=True, timeout=300, env=environment)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "calibrat" not in quiet.stderr and "set/s" not in quiet.stderr
+    environment["CATS_CACHE"] = str(tmp_path / "cache-2")
+    loud = subprocess.run(cats_command() + ["bench", *args, "--out", str(tmp_path / "loud")],
+                          capture_output=True, text=True, timeout=300, env=environment)
+    assert loud.returncode == 0, loud.stderr
+    assert "calibrating" in loud.stderr

@@ -142,6 +142,7 @@ class BenchContext:
     dtype: str = "float32"
     context_tokens: int | None = None  # KV cache tokens the budgeted methods plan for
     prompt_tokens: int | None = None  # the longest prompt (its prefill's activations)
+    progress: bool = True  # progress bars (a calibration on first use of layer-skip or dytc); --no-progress: none
 
 
 class BenchMethod(ABC):
@@ -174,7 +175,8 @@ class CatsMethod(BenchMethod):
                                     **({"threshold": settings.threshold} if name not in ("ar", "pld", "dytc", "recycle")
                                        else {}),
                                     **({"sparsity": settings.sparsity} if name in ("layer-skip", "dytc") else {}),
-                                    total_tokens=settings.total_tokens, depth=settings.depth)
+                                    total_tokens=settings.total_tokens, depth=settings.depth,
+                                    progress=context.progress)
         self.scorer = make_scorer(name, context.model, self.drafter, settings.adapters, settings.sv_threshold,
                                   settings.sv_passes if name == "cats" else 1)
         self.generator = Generator(context.model, self.drafter, method=name, scorer=self.scorer)

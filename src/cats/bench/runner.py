@@ -202,7 +202,7 @@ def run_in_process(config: BenchConfig, questions: list[Question], out: Path, mo
 
     model = cats.load(config.model, dtype=config.dtype, pack_weights=config.pack_weights)
     check_prompt_format(model, config.prompt_format)
-    context = BenchContext(model, config.model, config.settings)
+    context = BenchContext(model, config.model, config.settings, progress=config.progress)
 
     methods: dict[str, BenchMethod] = {}
     skipped: dict[str, str] = {}

@@ -55,7 +55,8 @@ def run_job(job: dict) -> dict:
         else:  # hf-offload loads its model without one; first, as the runtime baseline does
             tokenizer = load_tokenizer(source)
         context = BenchContext(model, source, settings, memory_budget=job["memory_budget"], dtype=job["dtype"],
-                               context_tokens=job["context_tokens"], prompt_tokens=job.get("prompt_tokens"))
+                               context_tokens=job["context_tokens"], prompt_tokens=job.get("prompt_tokens"),
+                               progress=bool(job.get("progress", True)))
         method = make_method(name, context)
     except (MethodUnavailableError, CatsError) as error:
         return {"skipped": str(error)}

@@ -78,6 +78,7 @@ def make_drafter(
     total_tokens: int | None = None,
     depth: int | None = None,
     sparsity: float | Sequence[float] | None = None,
+    progress: bool = True,
 ) -> Drafter | None:
     """The drafter for a method name; ``None`` for plain autoregressive decoding (``ar``).
 
@@ -86,7 +87,8 @@ def make_drafter(
     adapter that also reads the target's final features, when there is one). ``threshold``: their confidence stop.
     ``tree_topk``, ``total_tokens``, ``depth``: the shape of dynamic draft trees (method ``tree``).
     ``sparsity``: layer-skip's fraction of skipped sublayers (default 0.4), or dytc's list of them (default 0.4,
-    0.6); skip sets come from the calibration cache, calibrated on first use (`cats.draft.calibrate`).
+    0.6); skip sets come from the calibration cache, calibrated on first use (`cats.draft.calibrate`; ``progress``:
+    with a progress bar on stderr).
 
     Left as None, the early-exit draft length and the tree shape are 4 and (4, 16, 5); when the model streams
     layers under a memory budget they come from the speculation bucket chosen for the budget's I/O cost
@@ -108,7 +110,8 @@ def make_drafter(
         values = _sparsities(sparsity, (LAYER_SKIP_SPARSITY,))
         if len(values) != 1:
             raise InvalidArgumentError(f"layer-skip takes one sparsity, got {', '.join(map(str, values))}")
-        return make_layer_skip(model, values[0], num_tokens=num_draft_tokens or 4, threshold=threshold)
+        return make_layer_skip(model, values[0], num_tokens=num_draft_tokens or 4, threshold=threshold,
+                               progress=progress)
     if method == "dytc":
         from cats.draft.dytc import make_dytc
 
@@ -119,7 +122,7 @@ def make_drafter(
                          max_ngram=max_ngram, num_tokens=num_draft_tokens,
                          tree_topk=bucket.tree_topk if tree_topk is None else tree_topk,
                          total_tokens=bucket.total_tokens if total_tokens is None else total_tokens,
-                         depth=bucket.depth if depth is None else depth)
+                         depth=bucket.depth if depth is None else depth, progress=progress)
     if method == "eagle":
         return make_feature_drafter(model, adapters, num_draft_tokens, draft_layer, threshold, tree_topk,
                                     total_tokens, depth)
@@ -199,11 +202,11 @@ def _sparsities(value: float | Sequence[float] | None, default: tuple[float, ...
 
 
 def make_layer_skip(model: LayeredModel, sparsity: float, num_tokens: int = 4, threshold: float = 0.0,
-                    assist: Drafter | None = None) -> LayerSkipDrafter:
+                    assist: Drafter | None = None, progress: bool = True) -> LayerSkipDrafter:
     """A layer-skip drafter with the model's cached (or newly calibrated) skip set at ``sparsity``."""
     from cats.draft.calibrate import load_or_calibrate
 
-    result = load_or_calibrate(model, sparsity)
+    result = load_or_calibrate(model, sparsity, progress=progress)
     return LayerSkipDrafter(model, result.skip, num_tokens=num_tokens, assist=assist, threshold=threshold,
                             sparsity=sparsity, agreement=result.agreement)
 

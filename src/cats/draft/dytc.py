@@ -727,7 +727,7 @@ def draft_cost(model, layer_fraction: float) -> float:
 
 def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max_ngram: int = 3,
               num_tokens: int | None = None, lookahead_tokens: int = 4, tree_topk: int = 4, total_tokens: int = 16,
-              depth: int = 5, feature_adapter=None, recycle: bool = True) -> DyTCDrafter:
+              depth: int = 5, feature_adapter=None, recycle: bool = True, progress: bool = True) -> DyTCDrafter:
     """The training-free hierarchy of CAS-Spec plus, optionally, a trained draft adapter:
 
     * prompt lookup (up to `LOOKUP_TOKENS` tokens, the scheduler picks how many to verify), also the bottom
@@ -759,7 +759,7 @@ def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max
     bottom = PromptLookupDrafter(num_tokens=limit, max_ngram=max_ngram)
     options = [DraftOption("recycle", TokenRecyclingDrafter(model.vocab_size, total_tokens=RECYCLE_TOKENS),
                            RECYCLE_TOKENS, RECYCLE_PRIOR, PLD_COST, tree=True, hindsight=True)] if recycle else []
-    calibrated = [load_or_calibrate(model, s) for s in sorted(sparsities)]
+    calibrated = [load_or_calibrate(model, s, progress=progress) for s in sorted(sparsities)]
     for result in calibrated:
         drafter = LayerSkipDrafter(model, result.skip, num_tokens=limit, assist=bottom, sparsity=result.sparsity,
                                    agreement=result.agreement)
