@@ -29,6 +29,30 @@ def test_slot_layer_grows_crops_and_keeps_in_place():
     assert layer.keys[0, 0, :, 0].tolist() == [0, 2, 50] and layer.values[0, 0, :, 0].tolist() == [0, -2, -50]
 
 
+def test_keep_moves_only_the_slots_after_the_prefix_in_place():
+    """`KVCache.keep` of a prefix plus a tree path (the step's roll back) moves the path only; the result equals
+    gathering every kept slot, for every layer, and for a layer that holds fewer slots; the positions follow."""
+    cache = KVCache(num_layers=2, capacity=16)
+    cache.hf_cache.layers[0].update(*kv(10))
+    cache.hf_cache.layers[1].update(*kv(8))
+    cache.record(0, 1, torch.tensor([0, 1, 2, 3, 4, 5, 6, 6, 7, 8]))  # slots 6 and 7 are siblings
+    cache.record(1, 2, torch.tensor([0, 1, 2, 3, 4, 5, 6, 6]))
+    moved = []
+    original = SlotLayer.keep
+    SlotLayer.keep = lambda self, slots, first=0: (moved.append((slots.tolist(), first)), original(self, slots, first))[1]
+    try:
+        cache.keep(torch.tensor([0, 1, 2, 3, 4, 5, 7, 9]))
+    finally:
+        SlotLayer.keep = original
+    assert moved == [([0, 1, 2, 3, 4, 5, 7, 9], 6), ([0, 1, 2, 3, 4, 5, 7], 6)]
+    assert cache.hf_cache.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 7, 9]
+    assert cache.hf_cache.layers[0].values[0, 1, :, 0].tolist() == [0, -1, -2, -3, -4, -5, -7, -9]
+    assert cache.hf_cache.layers[1].keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 7]
+    assert cache.positions(0).tolist() == [0, 1, 2, 3, 4, 5, 6, 8] and cache.positions(1).tolist() == list(range(6)) + [6]
+    cache.keep(torch.tensor([1, 2]), layers=[1])  # nothing in place: every kept slot moves
+    assert cache.hf_cache.layers[1].keys[0, 0, :, 0].tolist() == [1, 2] and cache.positions(1).tolist() == [1, 2]
+
+
 def test_parked_slots_survive_overwrites():
     cache = KVCache(num_layers=2, capacity=8)
     for i in range(2):

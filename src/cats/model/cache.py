@@ -107,14 +107,17 @@ class SlotLayer(CacheLayerMixin):
             raise ValueError(f"crop takes a negative count of slots to remove, got {tokens_to_remove}")
         self._set_length(max(0, self.length + tokens_to_remove))
 
-    def keep(self, slots: torch.Tensor) -> None:
-        """Move the given slots (ascending) to the front, in place, and keep only them."""
+    def keep(self, slots: torch.Tensor, first: int = 0) -> None:
+        """Move the given slots (ascending) to the front, in place, and keep only them; the first ``first`` of them
+        are already in place (slot i is slots[i]), so only the rest move: a step that keeps the prefix and an
+        accepted path copies the path, not the whole context."""
         if self._keys is None:
             return
-        index = slots.to(self._keys.device)
-        count = index.numel()
-        self._keys[:, :, :count] = self._keys.index_select(-2, index)  # index_select copies: no aliasing
-        self._values[:, :, :count] = self._values.index_select(-2, index)
+        count = slots.numel()
+        if first < count:
+            index = slots[first:].to(self._keys.device)
+            self._keys[:, :, first:count] = self._keys.index_select(-2, index)  # index_select copies: no aliasing
+            self._values[:, :, first:count] = self._values.index_select(-2, index)
         self._set_length(count)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -175,14 +178,17 @@ class KVCache:
         """Keep only the given slots (ascending ``LongTensor``), e.g. the prefix plus an accepted tree path; a layer
         keeps those of them it holds (a drafter's own layer may hold fewer slots than the target's)."""
         slots = slots.cpu()
+        moved = (slots != torch.arange(slots.numel())).nonzero()
+        in_place = int(moved[0]) if moved.numel() else slots.numel()  # leading slots that stay where they are
         for i in self._layers(layers):
             length = self._lengths[i]
             if length == 0:
                 continue
             held = slots if not slots.numel() or int(slots[-1]) < length else slots[slots < length]
-            self.hf_cache.layers[i].keep(held)
+            first = min(in_place, held.numel())
+            self.hf_cache.layers[i].keep(held, first)
             buffer = self._position_buffers[i]
-            buffer[: held.numel()] = buffer.index_select(0, held)
+            buffer[first: held.numel()] = buffer.index_select(0, held[first:])
             self._lengths[i] = held.numel()
 
     def split_off(self, length: int, layers: Iterable[int]) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
