@@ -21,9 +21,16 @@
 #include <string.h>
 
 #define PANEL 48 /* outputs per panel: three 16-lane vectors */
+#define GROUP_TILES 8 /* row tiles (of up to 8 rows) that share each chunk of a panel */
+#define CHUNK 64 /* steps of k per chunk (bf16: pairs): 12 KB of panel, read from memory once, then from L1 by every
+                  * tile of the group; a tile's sums wait in memory between chunks (exact: each output still
+                  * accumulates k = 0, 1, 2, ... in order in its lane) */
 
 /* The tiles: MT rows of X against one panel; sums into out[MT][PANEL]. */
-#define DECLARE(m) __m512 a##m##0 = _mm512_setzero_ps(), a##m##1 = a##m##0, a##m##2 = a##m##0;
+#define DECLARE(m)                                                                                     \
+  __m512 a##m##0 = resume ? _mm512_loadu_ps(out + (m) * PANEL) : _mm512_setzero_ps(),                        \
+         a##m##1 = resume ? _mm512_loadu_ps(out + (m) * PANEL + 16) : _mm512_setzero_ps(),                   \
+         a##m##2 = resume ? _mm512_loadu_ps(out + (m) * PANEL + 32) : _mm512_setzero_ps();
 #define KEEP(m)                                    \
   _mm512_storeu_ps(out + (m) * PANEL, a##m##0);      \
   _mm512_storeu_ps(out + (m) * PANEL + 16, a##m##1); \
@@ -50,9 +57,13 @@ static __attribute__((unused)) void split(long panels, long* begin, long* end) {
     a##m##2 = _mm512_fmadd_ps(w2, xv, a##m##2);               \
   }
 #define F32_TILE(MT)                                                                                    \
-  static void f32_tile##MT(const float* w, const float* x, long ldx, long K, float* out) {             \
+  static void f32_tile##MT(const float* w, const float* x, long ldx, long k0, long k1, int resume,      \
+                           float* out) {                                                                \
     ROWS##MT(DECLARE)                                                                                   \
-    for (long k = 0; k < K; k++) {                                                                      \
+    for (long k = k0; k < k1; k++) {                                                                    \
+      _mm_prefetch((const char*)(w + (k + CHUNK) * PANEL), _MM_HINT_T0);                                \
+      _mm_prefetch((const char*)(w + (k + CHUNK) * PANEL + 16), _MM_HINT_T0);                           \
+      _mm_prefetch((const char*)(w + (k + CHUNK) * PANEL + 32), _MM_HINT_T0);                           \
       __m512 w0 = _mm512_loadu_ps(w + k * PANEL), w1 = _mm512_loadu_ps(w + k * PANEL + 16),             \
              w2 = _mm512_loadu_ps(w + k * PANEL + 32);                                                  \
       ROWS##MT(F32_STEP)                                                                                \
@@ -66,20 +77,32 @@ F32_TILE(8)
 
 static void f32_panels(const float* W, const float* X, const float* bias, float* Y, long M, long N, long K, long p0,
                        long p1) {
-  float out[8 * PANEL];
+  float out[GROUP_TILES][8 * PANEL];
   for (long p = p0; p < p1; p++) {
     const float* w = W + p * K * PANEL;
     long n0 = p * PANEL, count = N - n0 < PANEL ? N - n0 : PANEL;
-    for (long m0 = 0; m0 < M;) {
-      long tile = M - m0 >= 8 ? 8 : M - m0 >= 4 ? 4 : M - m0 >= 2 ? 2 : 1;
-      const float* x = X + m0 * K;
-      if (tile == 8) f32_tile8(w, x, K, K, out);
-      else if (tile == 4) f32_tile4(w, x, K, K, out);
-      else if (tile == 2) f32_tile2(w, x, K, K, out);
-      else f32_tile1(w, x, K, K, out);
-      for (long m = 0; m < tile; m++)
-        for (long i = 0; i < count; i++) Y[(m0 + m) * N + n0 + i] = out[m * PANEL + i] + (bias ? bias[n0 + i] : 0.0f);
-      m0 += tile;
+    for (long g0 = 0; g0 < M; g0 += GROUP_TILES * 8) {
+      long g1 = M - g0 < GROUP_TILES * 8 ? M : g0 + GROUP_TILES * 8;
+      long step = g1 - g0 > 8 ? CHUNK : K; /* several tiles: chunks of k, each read once from memory */
+      for (long k0 = 0; k0 < K; k0 += step) {
+        long k1 = K - k0 < step ? K : k0 + step;
+        for (long m0 = g0, t = 0; m0 < g1; t++) {
+          long tile = g1 - m0 >= 8 ? 8 : g1 - m0 >= 4 ? 4 : g1 - m0 >= 2 ? 2 : 1;
+          const float* x = X + m0 * K;
+          if (tile == 8) f32_tile8(w, x, K, k0, k1, k0 > 0, out[t]);
+          else if (tile == 4) f32_tile4(w, x, K, k0, k1, k0 > 0, out[t]);
+          else if (tile == 2) f32_tile2(w, x, K, k0, k1, k0 > 0, out[t]);
+          else f32_tile1(w, x, K, k0, k1, k0 > 0, out[t]);
+          m0 += tile;
+        }
+      }
+      for (long m0 = g0, t = 0; m0 < g1; t++) {
+        long tile = g1 - m0 >= 8 ? 8 : g1 - m0 >= 4 ? 4 : g1 - m0 >= 2 ? 2 : 1;
+        for (long m = 0; m < tile; m++)
+          for (long i = 0; i < count; i++)
+            Y[(m0 + m) * N + n0 + i] = out[t][m * PANEL + i] + (bias ? bias[n0 + i] : 0.0f);
+        m0 += tile;
+      }
     }
   }
 }
@@ -125,10 +148,14 @@ static inline __m512bh bf16_pair(const uint16_t* x, long k, long K) { /* x[k], x
     a##m##2 = _mm512_dpbf16_ps(a##m##2, w2, xv);           \
   }
 #define BF16_TILE(MT)                                                                                    \
-  static void bf16_tile##MT(const uint16_t* w, const uint16_t* x, long ldx, long K, float* out) {       \
+  static void bf16_tile##MT(const uint16_t* w, const uint16_t* x, long ldx, long K, long k0, long k1,   \
+                            int resume, float* out) {                                                    \
     ROWS##MT(DECLARE)                                                                                    \
-    for (long k = 0; k < (K + 1) / 2; k++) {                                                             \
+    for (long k = k0; k < k1; k++) {                                                                     \
       const uint16_t* row = w + k * 2 * PANEL;                                                           \
+      _mm_prefetch((const char*)(row + CHUNK * 2 * PANEL), _MM_HINT_T0);                                 \
+      _mm_prefetch((const char*)(row + CHUNK * 2 * PANEL + 32), _MM_HINT_T0);                            \
+      _mm_prefetch((const char*)(row + CHUNK * 2 * PANEL + 64), _MM_HINT_T0);                            \
       __m512bh w0 = (__m512bh)_mm512_loadu_si512(row), w1 = (__m512bh)_mm512_loadu_si512(row + 32),     \
                w2 = (__m512bh)_mm512_loadu_si512(row + 64);                                              \
       ROWS##MT(BF16_STEP)                                                                                \
@@ -143,21 +170,32 @@ BF16_TILE(8)
 static void bf16_panels(const uint16_t* W, const uint16_t* X, const float* bias, uint16_t* Y, long M, long N, long K,
                         long p0, long p1) {
   long pairs = (K + 1) / 2;
-  float out[8 * PANEL];
+  float out[GROUP_TILES][8 * PANEL];
   for (long p = p0; p < p1; p++) {
     const uint16_t* w = W + p * pairs * 2 * PANEL;
     long n0 = p * PANEL, count = N - n0 < PANEL ? N - n0 : PANEL;
-    for (long m0 = 0; m0 < M;) {
-      long tile = M - m0 >= 8 ? 8 : M - m0 >= 4 ? 4 : M - m0 >= 2 ? 2 : 1;
-      const uint16_t* x = X + m0 * K;
-      if (tile == 8) bf16_tile8(w, x, K, K, out);
-      else if (tile == 4) bf16_tile4(w, x, K, K, out);
-      else if (tile == 2) bf16_tile2(w, x, K, K, out);
-      else bf16_tile1(w, x, K, K, out);
-      for (long m = 0; m < tile; m++)
-        for (long i = 0; i < count; i++)
-          Y[(m0 + m) * N + n0 + i] = to_bf16(out[m * PANEL + i] + (bias ? bias[n0 + i] : 0.0f));
-      m0 += tile;
+    for (long g0 = 0; g0 < M; g0 += GROUP_TILES * 8) {
+      long g1 = M - g0 < GROUP_TILES * 8 ? M : g0 + GROUP_TILES * 8;
+      long step = g1 - g0 > 8 ? CHUNK : pairs; /* several tiles: chunks of k pairs, each read once from memory */
+      for (long k0 = 0; k0 < pairs; k0 += step) {
+        long k1 = pairs - k0 < step ? pairs : k0 + step;
+        for (long m0 = g0, t = 0; m0 < g1; t++) {
+          long tile = g1 - m0 >= 8 ? 8 : g1 - m0 >= 4 ? 4 : g1 - m0 >= 2 ? 2 : 1;
+          const uint16_t* x = X + m0 * K;
+          if (tile == 8) bf16_tile8(w, x, K, K, k0, k1, k0 > 0, out[t]);
+          else if (tile == 4) bf16_tile4(w, x, K, K, k0, k1, k0 > 0, out[t]);
+          else if (tile == 2) bf16_tile2(w, x, K, K, k0, k1, k0 > 0, out[t]);
+          else bf16_tile1(w, x, K, K, k0, k1, k0 > 0, out[t]);
+          m0 += tile;
+        }
+      }
+      for (long m0 = g0, t = 0; m0 < g1; t++) {
+        long tile = g1 - m0 >= 8 ? 8 : g1 - m0 >= 4 ? 4 : g1 - m0 >= 2 ? 2 : 1;
+        for (long m = 0; m < tile; m++)
+          for (long i = 0; i < count; i++)
+            Y[(m0 + m) * N + n0 + i] = to_bf16(out[t][m * PANEL + i] + (bias ? bias[n0 + i] : 0.0f));
+        m0 += tile;
+      }
     }
   }
 }
