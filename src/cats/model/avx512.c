@@ -77,7 +77,7 @@ F32_TILE(8)
 
 static void f32_panels(const float* W, const float* X, const float* bias, float* Y, long M, long N, long K, long p0,
                        long p1) {
-  float out[GROUP_TILES][8 * PANEL];
+  float out[GROUP_TILES + 2][8 * PANEL]; /* a group's tiles: at most GROUP_TILES + 2 (63 rows = 7 x 8 + 4 + 2 + 1) */
   for (long p = p0; p < p1; p++) {
     const float* w = W + p * K * PANEL;
     long n0 = p * PANEL, count = N - n0 < PANEL ? N - n0 : PANEL;
@@ -170,7 +170,7 @@ BF16_TILE(8)
 static void bf16_panels(const uint16_t* W, const uint16_t* X, const float* bias, uint16_t* Y, long M, long N, long K,
                         long p0, long p1) {
   long pairs = (K + 1) / 2;
-  float out[GROUP_TILES][8 * PANEL];
+  float out[GROUP_TILES + 2][8 * PANEL]; /* a group's tiles: at most GROUP_TILES + 2 (63 rows = 7 x 8 + 4 + 2 + 1) */
   for (long p = p0; p < p1; p++) {
     const uint16_t* w = W + p * pairs * 2 * PANEL;
     long n0 = p * PANEL, count = N - n0 < PANEL ? N - n0 : PANEL;
