@@ -141,3 +141,34 @@ def test_fused_layer_follows_a_changed_weight_and_falls_back_where_it_cannot_run
     assert model.layers[0] not in lean.LAYER_SPECS
     assert fused_unsupported(tiny_model("qwen3").layers[0]) == "Qwen3DecoderLayer has no whole-layer kernel"
     assert fused_unsupported(tiny_model("phi3").layers[0]) == "Phi3DecoderLayer has no whole-layer kernel"
+
+
+@torch.no_grad()
+def test_a_feature_adapter_drafts_on_packed_kernels_and_stays_lossless():
+    """A feature (eagle) adapter on a packed bf16 model packs its input projection and block too, its block runs on
+    the whole-layer kernel, and its trees reproduce plain decoding bit for bit."""
+    needs(torch.bfloat16)
+    from cats.draft.adapter import new_adapter
+    from cats.draft.feature import FeatureDrafter
+
+    model = model_with_wide_heads("llama", torch.bfloat16, seed=9)
+    adapter = new_adapter(model, "draft", model.num_layers, input="features")
+    with torch.no_grad():  # its estimate of the next feature: layer 0 on the next token's embedding
+        size = model.config.hidden_size
+        adapter.fc.weight.zero_()
+        adapter.fc.weight[:, size:] = torch.eye(size, dtype=adapter.fc.weight.dtype)
+        adapter.block.load_state_dict(model.layers[0].state_dict())
+    adapter = adapter.to(torch.bfloat16).eval().requires_grad_(False)
+    prompt = torch.randint(3, VOCAB, (10,), generator=torch.Generator().manual_seed(3)).tolist() * 2
+    plain = Generator(model).generate(prompt, GenerationConfig(max_new_tokens=24)).token_ids
+    calls = []
+    original = avx512.layer
+    avx512.layer = lambda *args: (calls.append(args[0]), original(*args))[1]
+    try:
+        drafted = Generator(model, FeatureDrafter(model, adapter, tree_topk=2, total_tokens=6, depth=3)).generate(
+            prompt, GenerationConfig(max_new_tokens=24))
+    finally:
+        avx512.layer = original
+    assert drafted.token_ids == plain and drafted.stats.accepted_draft_tokens > 0
+    assert lean.is_packed(adapter.fc) and lean.is_packed(adapter.block.mlp.down_proj)
+    assert lean.LAYER_SPECS[adapter.block][0] in [spec for spec in calls]  # the block ran on the kernel

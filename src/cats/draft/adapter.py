@@ -181,6 +181,8 @@ class Adapter(nn.Module):
             from cats.model.lean import pack_module
 
             self._packed = pack_module(self.block) > 0
+            if self.fc is not None:  # a feature adapter's input projection runs every draft step too
+                pack_module(self.fc)
         if self.fc is not None:
             hidden = self.fc(hidden)
         if cache is not None:
