@@ -338,6 +338,22 @@ INLINE void f32_attend(const float* qp, const float* kp, const float* vp, long k
   for (long j = 0; j < D / 16; j++) result[j] = _mm512_div_ps(acc[j], norm);
 }
 
+/* work item ``item`` (= h T + t) of float32 attention: query t of head h, into out[t, h D ..] */
+INLINE void f32_attention_item(long item, long T, long groups, const float* q, long q_head, long q_row,
+                               const float* k, const float* v, long kv_head, long kv_row, const float* mask,
+                               long mask_row, float* out, long out_row, long S, long D, float scale, float* scores,
+                               __m512i order) {
+  long h = item / T, t = item % T, g = h / groups;
+  const float* qp = q + h * q_head + t * q_row;
+  const float* m = mask ? mask + t * mask_row : NULL;
+  __m512 result[16];
+  if (D == 64) f32_attend(qp, k + g * kv_head, v + g * kv_head, kv_row, m, S, 64, scale, scores, result, order);
+  else if (D == 128) f32_attend(qp, k + g * kv_head, v + g * kv_head, kv_row, m, S, 128, scale, scores, result, order);
+  else f32_attend(qp, k + g * kv_head, v + g * kv_head, kv_row, m, S, D, scale, scores, result, order);
+  float* row = out + t * out_row + h * D;
+  for (long j = 0; j < D / 16; j++) _mm512_storeu_ps(row + j * 16, result[j]);
+}
+
 void cats_attention_f32(const float* q, long q_head, long q_row, const float* k, const float* v, long kv_head,
                         long kv_row, const float* mask, long mask_row, float* out, long Hq, long Hk, long T, long S,
                         long D, float scale, int threads) {
@@ -347,18 +363,9 @@ void cats_attention_f32(const float* q, long q_head, long q_row, const float* k,
   {
     float* scores = (float*)malloc(sizeof(float) * (S + 16));
 #pragma omp for schedule(static)
-    for (long item = 0; item < items; item++) {
-      long h = item / T, t = item % T, g = h / groups;
-      const float* qp = q + h * q_head + t * q_row;
-      const float* m = mask ? mask + t * mask_row : NULL;
-      __m512 result[16];
-      if (D == 64) f32_attend(qp, k + g * kv_head, v + g * kv_head, kv_row, m, S, 64, scale, scores, result, order);
-      else if (D == 128)
-        f32_attend(qp, k + g * kv_head, v + g * kv_head, kv_row, m, S, 128, scale, scores, result, order);
-      else f32_attend(qp, k + g * kv_head, v + g * kv_head, kv_row, m, S, D, scale, scores, result, order);
-      float* row = out + t * Hq * D + h * D;
-      for (long j = 0; j < D / 16; j++) _mm512_storeu_ps(row + j * 16, result[j]);
-    }
+    for (long item = 0; item < items; item++)
+      f32_attention_item(item, T, groups, q, q_head, q_row, k, v, kv_head, kv_row, mask, mask_row, out, Hq * D, S, D,
+                         scale, scores, order);
     free(scores);
   }
 }
@@ -461,6 +468,48 @@ INLINE void bf16_attend_group(const uint16_t* const* queries, uint16_t* const* o
   }
 }
 
+/* per-thread buffers of bf16 attention over S keys */
+struct bf16_buffers {
+  int32_t* listed;
+  float* scores;
+  uint16_t* probabilities;
+};
+static struct bf16_buffers bf16_buffers_new(long S) {
+  struct bf16_buffers b = {(int32_t*)malloc(sizeof(int32_t) * (S + 16)),
+                           (float*)malloc(sizeof(float) * GROUP_HEADS * (S + 32)),
+                           (uint16_t*)malloc(sizeof(uint16_t) * GROUP_HEADS * (S + 32))};
+  return b;
+}
+static void bf16_buffers_free(struct bf16_buffers b) {
+  free(b.probabilities);
+  free(b.scores);
+  free(b.listed);
+}
+
+/* work item ``item`` of bf16 attention (= (g T + t) passes + pass): query t of up to GROUP_HEADS query heads of KV
+ * head g, into out[t, h D ..] */
+INLINE void bf16_attention_item(long item, long T, long groups, long passes, const uint16_t* q, long q_head, long q_row,
+                                const uint16_t* k, const uint16_t* v, long kv_head, long kv_row, const float* mask,
+                                long mask_row, uint16_t* out, long out_row, long S, long D, float scale,
+                                struct bf16_buffers b, __m512i order) {
+  long g = item / (T * passes), t = (item / passes) % T, pass = item % passes;
+  long first = g * groups + pass * GROUP_HEADS;
+  int heads = (int)(groups - pass * GROUP_HEADS < GROUP_HEADS ? groups - pass * GROUP_HEADS : GROUP_HEADS);
+  const uint16_t* queries[GROUP_HEADS];
+  uint16_t* outs[GROUP_HEADS];
+  for (int i = 0; i < heads; i++) {
+    queries[i] = q + (first + i) * q_head + t * q_row;
+    outs[i] = out + t * out_row + (first + i) * D;
+  }
+  const float* m = mask ? mask + t * mask_row : NULL;
+  if (D == 64)
+    bf16_attend_group(queries, outs, heads, k + g * kv_head, v + g * kv_head, kv_row, m, S, 64, scale, b.listed,
+                      b.scores, b.probabilities, order);
+  else
+    bf16_attend_group(queries, outs, heads, k + g * kv_head, v + g * kv_head, kv_row, m, S, D, scale, b.listed,
+                      b.scores, b.probabilities, order);
+}
+
 void cats_attention_bf16(const uint16_t* q, long q_head, long q_row, const uint16_t* k, const uint16_t* v,
                          long kv_head, long kv_row, const float* mask, long mask_row, uint16_t* out, long Hq, long Hk,
                          long T, long S, long D, float scale, int threads) {
@@ -468,31 +517,12 @@ void cats_attention_bf16(const uint16_t* q, long q_head, long q_row, const uint1
   __m512i order = lane_order();
 #pragma omp parallel num_threads(threads > items ? (int)items : threads)
   {
-    int32_t* listed = (int32_t*)malloc(sizeof(int32_t) * (S + 16));
-    float* scores = (float*)malloc(sizeof(float) * GROUP_HEADS * (S + 32));
-    uint16_t* probabilities = (uint16_t*)malloc(sizeof(uint16_t) * GROUP_HEADS * (S + 32));
+    struct bf16_buffers buffers = bf16_buffers_new(S);
 #pragma omp for schedule(static)
-    for (long item = 0; item < items; item++) {
-      long g = item / (T * passes), t = (item / passes) % T, pass = item % passes;
-      long first = g * groups + pass * GROUP_HEADS;
-      int heads = (int)(groups - pass * GROUP_HEADS < GROUP_HEADS ? groups - pass * GROUP_HEADS : GROUP_HEADS);
-      const uint16_t* queries[GROUP_HEADS];
-      uint16_t* outs[GROUP_HEADS];
-      for (int i = 0; i < heads; i++) {
-        queries[i] = q + (first + i) * q_head + t * q_row;
-        outs[i] = out + t * Hq * D + (first + i) * D;
-      }
-      const float* m = mask ? mask + t * mask_row : NULL;
-      if (D == 64)
-        bf16_attend_group(queries, outs, heads, k + g * kv_head, v + g * kv_head, kv_row, m, S, 64, scale, listed,
-                          scores, probabilities, order);
-      else
-        bf16_attend_group(queries, outs, heads, k + g * kv_head, v + g * kv_head, kv_row, m, S, D, scale, listed,
-                          scores, probabilities, order);
-    }
-    free(probabilities);
-    free(scores);
-    free(listed);
+    for (long item = 0; item < items; item++)
+      bf16_attention_item(item, T, groups, passes, q, q_head, q_row, k, v, kv_head, kv_row, mask, mask_row, out,
+                          Hq * D, S, D, scale, buffers, order);
+    bf16_buffers_free(buffers);
   }
 }
 #endif
@@ -558,6 +588,11 @@ static void norm_row(const void* x, const void* w, void* out, long H, float eps,
   for (long j = 0; j < H; j++) store_at(out, j, load_at(w, j, bf16) * rounded(row[j] * scale, bf16), bf16);
 }
 
+/* the residual add of one row, row += update, rounded as torch's bf16 add rounds */
+static void add_row(void* row, const void* update, long H, int bf16) {
+  for (long j = 0; j < H; j++) store_at(row, j, load_at(row, j, bf16) + load_at(update, j, bf16), bf16);
+}
+
 /* the linear y = x W^T (+ bias) of M rows, this thread's share of the panels (caller: barrier after) */
 static void shared_linear(const void* W, const void* X, const float* bias, void* Y, long M, long N, long K, int bf16) {
   long p0, p1;
@@ -612,58 +647,30 @@ void cats_layer(const struct cats_layer* L, void* hidden, long T, const void* co
         memcpy((char*)vbuf + ((head - Hq) * kv_head + (past + t) * D) * size,
                (const char*)qkv + (t * width + qw + kw + (head - Hq) * D) * size, D * size);
     }
-    {
-      int32_t* listed = (int32_t*)malloc(sizeof(int32_t) * (S + 16));
-      float* scores = (float*)malloc(sizeof(float) * GROUP_HEADS * (S + 32));
-      uint16_t* probabilities = (uint16_t*)malloc(sizeof(uint16_t) * GROUP_HEADS * (S + 32));
-#pragma omp for schedule(static)
-      for (long item = 0; item < items; item++) {
-        const float* m;
-        if (bf16) {
+    if (bf16) {
 #if HAS_BF16
-          long g = item / (T * passes), t = (item / passes) % T, pass = item % passes;
-          long first = g * groups + pass * GROUP_HEADS;
-          int heads = (int)(groups - pass * GROUP_HEADS < GROUP_HEADS ? groups - pass * GROUP_HEADS : GROUP_HEADS);
-          const uint16_t* queries[GROUP_HEADS];
-          uint16_t* outs[GROUP_HEADS];
-          for (int i = 0; i < heads; i++) {
-            queries[i] = (const uint16_t*)query + t * qw + (first + i) * D;
-            outs[i] = (uint16_t*)attended + t * qw + (first + i) * D;
-          }
-          m = mask ? mask + t * mask_row : NULL;
-          const uint16_t *kp = (const uint16_t*)kbuf + g * kv_head, *vp = (const uint16_t*)vbuf + g * kv_head;
-          if (D == 64)
-            bf16_attend_group(queries, outs, heads, kp, vp, D, m, S, 64, L->scale, listed, scores, probabilities,
-                              order);
-          else
-            bf16_attend_group(queries, outs, heads, kp, vp, D, m, S, D, L->scale, listed, scores, probabilities,
-                              order);
+      struct bf16_buffers buffers = bf16_buffers_new(S);
+#pragma omp for schedule(static)
+      for (long item = 0; item < items; item++)
+        bf16_attention_item(item, T, groups, passes, (const uint16_t*)query, D, qw, (const uint16_t*)kbuf,
+                            (const uint16_t*)vbuf, kv_head, D, mask, mask_row, (uint16_t*)attended, qw, S, D, L->scale,
+                            buffers, order);
+      bf16_buffers_free(buffers);
 #endif
-        } else {
-          long h = item / T, t = item % T, g = h / groups;
-          const float* qp = (const float*)query + t * qw + h * D;
-          m = mask ? mask + t * mask_row : NULL;
-          __m512 result[16];
-          const float *kp = (const float*)kbuf + g * kv_head, *vp = (const float*)vbuf + g * kv_head;
-          if (D == 64) f32_attend(qp, kp, vp, D, m, S, 64, L->scale, scores, result, order);
-          else if (D == 128) f32_attend(qp, kp, vp, D, m, S, 128, L->scale, scores, result, order);
-          else f32_attend(qp, kp, vp, D, m, S, D, L->scale, scores, result, order);
-          float* row = (float*)attended + t * qw + h * D;
-          for (long j = 0; j < D / 16; j++) _mm512_storeu_ps(row + j * 16, result[j]);
-        }
-      }
-      free(probabilities);
+    } else {
+      float* scores = (float*)malloc(sizeof(float) * (S + 16));
+#pragma omp for schedule(static)
+      for (long item = 0; item < items; item++)
+        f32_attention_item(item, T, groups, (const float*)query, D, qw, (const float*)kbuf, (const float*)vbuf, kv_head,
+                           D, mask, mask_row, (float*)attended, qw, S, D, L->scale, scores, order);
       free(scores);
-      free(listed);
     }
     shared_linear(L->o, attended, L->o_bias, projected, T, H, qw, bf16);
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (long t = 0; t < T; t++) {
-      char* row = (char*)hidden + t * H * size;
-      const char* update = (const char*)projected + t * H * size;
-      for (long j = 0; j < H; j++) store_at(row, j, load_at(row, j, bf16) + load_at(update, j, bf16), bf16);
-      norm_row(row, L->ln2, (char*)normed + t * H * size, H, L->eps2, bf16);
+      add_row((char*)hidden + t * H * size, (const char*)projected + t * H * size, H, bf16);
+      norm_row((char*)hidden + t * H * size, L->ln2, (char*)normed + t * H * size, H, L->eps2, bf16);
     }
     shared_linear(L->gate_up, normed, L->gate_up_bias, gate_up, T, 2 * I, H, bf16);
 #pragma omp barrier
@@ -692,11 +699,7 @@ void cats_layer(const struct cats_layer* L, void* hidden, long T, const void* co
     shared_linear(L->down, activated, L->down_bias, projected, T, H, I, bf16);
 #pragma omp barrier
 #pragma omp for schedule(static)
-    for (long t = 0; t < T; t++) {
-      char* row = (char*)hidden + t * H * size;
-      const char* update = (const char*)projected + t * H * size;
-      for (long j = 0; j < H; j++) store_at(row, j, load_at(row, j, bf16) + load_at(update, j, bf16), bf16);
-    }
+    for (long t = 0; t < T; t++) add_row((char*)hidden + t * H * size, (const char*)projected + t * H * size, H, bf16);
   }
 }
 
