@@ -156,6 +156,16 @@ class Adapter(nn.Module):
             self._fused = fused_unsupported(self.block) is None
         return self._fused
 
+    def _fused_forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, rotary, cache: KVCache):
+        """The block on ``hidden`` through the whole-layer kernel (on a copy: it works in place), appending to
+        ``cache``; None where it does not run (the caller then takes the lean forward)."""
+        model = self.target
+        if not (self._packed and model.lean and not model.exact_attention and not self.training and self._fused_block()
+                and fused_ready(hidden, attention_mask, rotary, self.block.self_attn.head_dim)):
+            return None
+        out = hidden.clone(memory_format=torch.contiguous_format)
+        return out if fused_layer_forward(self.block, out, attention_mask, rotary, cache.hf_cache) else None
+
     @property
     def cache_layer(self) -> int:
         """Index of the adapter's own layer in the `KVCache` (the target's layers come first)."""
@@ -194,15 +204,11 @@ class Adapter(nn.Module):
         else:
             positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0).expand(hidden.shape[0], -1)
         rotary = model.rotary(hidden, positions, self.kind)
-        if (cache is not None and self._packed and model.lean and not model.exact_attention and not self.training
-                and self._fused_block() and fused_ready(hidden, attention_mask, rotary, self.block.self_attn.head_dim)):
-            out = hidden.clone(memory_format=torch.contiguous_format)  # the whole-layer kernel works in place
-            if not fused_layer_forward(self.block, out, attention_mask, rotary, cache.hf_cache):
-                out = lean_layer_forward(self.block, hidden, attention_mask, rotary, cache.hf_cache, kernels=True)
-        elif cache is not None and model.lean and not self.training and self._lean_block():
+        out = self._fused_forward(hidden, attention_mask, rotary, cache) if cache is not None else None
+        if out is None and cache is not None and model.lean and not self.training and self._lean_block():
             out = lean_layer_forward(self.block, hidden, attention_mask, rotary, cache.hf_cache,
                                      pack_queries=not model.exact_attention, kernels=model.packed)
-        else:
+        elif out is None:
             out = self.block(hidden, attention_mask=attention_mask, position_embeddings=rotary, position_ids=positions,
                              cache=cache.hf_cache if cache is not None else None, use_cache=cache is not None)
             out = out[0] if isinstance(out, tuple) else out

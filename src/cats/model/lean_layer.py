@@ -334,7 +334,7 @@ def fused_ready(hidden: torch.Tensor, attention_mask: torch.Tensor | None,
 def fused_layer_forward(layer: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
                         position_embeddings: tuple[torch.Tensor, torch.Tensor], cache) -> bool:
     """Run ``layer`` (`fused_unsupported` None) on ``hidden`` ``[1, T, H]`` **in place** through `avx512.layer`,
-    appending the tokens' K/V to ``cache`` (a transformers cache of `SlotLayer`\ s) at the layer's index, where
+    appending the tokens' K/V to ``cache`` (a transformers cache of `SlotLayer`\\ s) at the layer's index, where
     `fused_ready` holds for the forward; False (and nothing done) if the layer's linears are not packed."""
     spec = _layer_spec(layer, hidden.dtype)
     if spec is None:
