@@ -110,3 +110,26 @@ def test_early_exit_finds_its_own_adapter_and_trees_refuse_it(tmp_path):
     size = model.config.hidden_size
     assert early.min_resident_layers == 1 and trees.min_resident_layers == 2
     assert early.adapter_bytes - trees.adapter_bytes == (2 * size * size + size) * 8  # fc, float64; same blocks
+
+
+def test_adapter_drafters_stop_at_the_default_confidence(tmp_path):
+    """Left unset, ``threshold`` is `CONFIDENCE_STOP` for the adapter drafters and 0 elsewhere; an explicit 0 turns
+    the stop off. A random tiny model's drafts are unconfident (vocabulary 100+, probabilities ~0.01-0.1), so with
+    the default stop every step drafts only its first token, and without it the full length: same output."""
+    from cats.draft import CONFIDENCE_STOP
+
+    model = tiny_model("llama")
+    assert make_drafter("early-exit", model, draft_layer=1).threshold == CONFIDENCE_STOP
+    assert make_drafter("tree", model, draft_layer=1).threshold == CONFIDENCE_STOP
+    assert make_drafter("early-exit", model, draft_layer=1, threshold=0.0).threshold == 0.0
+    assert make_drafter("pld", model) is not None  # no stop there, and no complaint about one
+    with pytest.raises(InvalidArgumentError, match="threshold"):
+        make_drafter("pld", model, threshold=0.4)
+    prompt = prompts()[0]
+    stopping = run(model, make_drafter("early-exit", model, draft_layer=1, num_draft_tokens=4), prompt)
+    full = run(model, make_drafter("early-exit", model, draft_layer=1, num_draft_tokens=4, threshold=0.0), prompt)
+    assert stopping.token_ids == full.token_ids == hf_greedy(model, prompt, NEW_TOKENS)
+    steps = stopping.stats.target_forwards - 1
+    # one token per step (the first is always drafted), none in a last step that has room for one token only
+    assert steps - 1 <= stopping.stats.drafted_tokens <= steps
+    assert full.stats.drafted_tokens > 3 * (full.stats.target_forwards - 1)

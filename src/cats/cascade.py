@@ -264,7 +264,11 @@ class CascadeScorer:
         if self.drafter is not None and self.drafter.adapter is not None:
             self.drafter.adapter(hidden, cache, positions, attend=attend)
         hidden = model.forward_layers(hidden, split, self.layer, cache, position_ids=positions, attend=attend)
-        choices = self._shallow_probs(hidden, cache, positions, attend).argmax(-1).tolist()
+        if self.sv_passes > 1:  # a redraft may start below a correction: it needs the verifier's choice there
+            choices = self._shallow_probs(hidden, cache, positions, attend).argmax(-1).tolist()
+        else:  # only the verifier's K/V (later steps attend to them): its vocabulary head is not needed
+            self.shallow(hidden, cache, positions, attend=attend)
+            choices = [None] * len(corrections)
         for row in range(len(corrections)):
             tree.states[first + 1 + row], tree.choices[first + 1 + row] = hidden[0, row], choices[row]
         self.counts.nodes_corrected += len(corrections)
@@ -344,8 +348,9 @@ class _ShallowTree:
     """The tree as the shallow layers leave it: node i is cache slot ``committed + 1 + i``; index -1 is x.
 
     ``states[i + 1]`` is node i's state after L_sv (``states[0]``: x's), ``choices[i + 1]`` the shallow verifier's
-    top token after it. ``decisions`` lists every drafted node the verifier judged: (token, tree index of its parent
-    or None when the parent was pruned, pruned)."""
+    top token after it (None after a correction when no redraft can start there: ``sv_passes`` 1). ``decisions``
+    lists every drafted node the verifier judged: (token, tree index of its parent or None when the parent was
+    pruned, pruned)."""
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)

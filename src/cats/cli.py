@@ -108,9 +108,10 @@ def add_method_arguments(parser: argparse.ArgumentParser, default: str = "ar") -
     parser.add_argument("--max-ngram", type=integer, default=3, help="longest n-gram prompt lookup matches")
     parser.add_argument("--adapters", default=None, help="trained adapters folder (e.g. "
                         "adapters/smollm2-135m-instruct); early-exit then drafts through its draft adapter")
-    parser.add_argument("--threshold", type=float, default=0.0,
+    parser.add_argument("--threshold", type=float, default=None,
                         help="confidence stop: early-exit and layer-skip stop drafting below this draft probability, "
-                        "tree stops expanding below this cumulative path probability")
+                        "tree, eagle and cats stop expanding below this cumulative path probability (default 0.4 for "
+                        "early-exit, eagle, tree and cats, 0 = never stop for layer-skip)")
     add_tree_arguments(parser)
     add_sparsity_argument(parser)
 

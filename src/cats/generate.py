@@ -309,7 +309,7 @@ def generate(
     draft_layer: int | None = None,
     max_ngram: int = 3,
     adapters: str | None = None,
-    threshold: float = 0.0,
+    threshold: float | None = None,
     tree_topk: int | None = None,
     total_tokens: int | None = None,
     depth: int | None = None,

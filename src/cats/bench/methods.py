@@ -122,7 +122,7 @@ class MethodSettings:
     draft_layer: int | None = None
     max_ngram: int = 3
     adapters: str | None = None  # trained adapters folder: early-exit drafts through its draft adapter
-    threshold: float = 0.0  # early-exit / tree confidence stop (CATS methods only)
+    threshold: float | None = None  # early-exit / eagle / tree confidence stop (None: the method's default)
     tree_topk: int | None = None  # None: the default, or chosen from the budget (cats.memory.speculation)
     total_tokens: int | None = None
     depth: int | None = None

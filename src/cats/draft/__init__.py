@@ -66,6 +66,13 @@ def check_method(method: str) -> str:
     return method
 
 
+# The default confidence stop (``--threshold``) of the adapter drafters: a chain stops before a token whose draft
+# probability is below it, a tree stops expanding when its best path's is. Chosen by measurement on SmolLM2, bf16
+# and float32 (docs/benchmarks.md, "Confidence stop"): a draft pass costs ~0.1 of a forward, so an unlikely token
+# costs more than it earns; 0.3-0.5 measured alike, 0 (always draft the full length) was the slowest.
+CONFIDENCE_STOP = 0.4
+CONFIDENCE_STOP_METHODS = ("early-exit", "eagle", "tree", "cats", "cats-no-shallow")
+
 def make_drafter(
     method: str,
     model: LayeredModel,
@@ -73,7 +80,7 @@ def make_drafter(
     draft_layer: int | None = None,
     max_ngram: int = 3,
     adapters: str | None = None,
-    threshold: float = 0.0,
+    threshold: float | None = None,
     tree_topk: int | None = None,
     total_tokens: int | None = None,
     depth: int | None = None,
@@ -84,7 +91,8 @@ def make_drafter(
 
     ``adapters``: a folder with trained adapters (``DIR/draft/`` or an adapter folder itself); early exit and
     trees then draft through the draft adapter at its own layer (early exit through ``DIR/early-exit/``, an
-    adapter that also reads the target's final features, when there is one). ``threshold``: their confidence stop.
+    adapter that also reads the target's final features, when there is one). ``threshold``: their confidence stop;
+    None: `CONFIDENCE_STOP` for early-exit, eagle, tree and cats, none (0) for layer-skip.
     ``tree_topk``, ``total_tokens``, ``depth``: the shape of dynamic draft trees (method ``tree``).
     ``sparsity``: layer-skip's fraction of skipped sublayers (default 0.4), or dytc's list of them (default 0.4,
     0.6); skip sets come from the calibration cache, calibrated on first use (`cats.draft.calibrate`; ``progress``:
@@ -95,6 +103,8 @@ def make_drafter(
     (`cats.memory.speculation`). layer-skip and dytc draft through every layer, so they refuse a model that
     streams layers."""
     check_method(method)
+    if threshold is None:
+        threshold = CONFIDENCE_STOP if method in CONFIDENCE_STOP_METHODS else 0.0
     if method in ("layer-skip", "dytc") and model.weights is not None:
         raise InvalidArgumentError(f"{method} drafts through every layer, so under a memory budget every draft token "
                                    "would read the streamed layers again; it needs a budget that keeps every layer "

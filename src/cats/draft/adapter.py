@@ -231,9 +231,10 @@ class Adapter(nn.Module):
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Logits over the adapter's vocabulary (``[..., V_d]``) through the target's lm_head rows."""
-        weight = self.target.hf_model.lm_head.weight
-        if self.vocab_ids is None:
-            return nn.functional.linear(normed, weight)
+        lm_head = self.target.hf_model.lm_head
+        weight = lm_head.weight
+        if self.vocab_ids is None:  # the lm_head module itself: its packed copy when the target packs (one copy)
+            return lm_head(normed) if not self.training else nn.functional.linear(normed, weight)
         if self.training:  # gathered per call while training
             return nn.functional.linear(normed, weight.index_select(0, self.vocab_ids.to(weight.device)))
         if self._head_rows is None or self._head_rows.dtype != weight.dtype:
