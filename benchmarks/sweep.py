@@ -72,9 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--adapters", default=None)
     parser.add_argument("--grid", action="append", default=[], help="METHOD:key=v1|v2,key=v (repeatable)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--pack-weights", action="store_true", help="prepacked linears and the AVX-512 kernels, as "
+                        "`cats bench --pack-weights`")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model = cats.load(args.model, dtype=args.dtype)
+    model = cats.load(args.model, dtype=args.dtype, pack_weights=args.pack_weights)
     rows = [json.loads(line) for line in Path(args.questions_file).read_text().splitlines() if line.strip()]
     by_category: dict[str, list] = {}
     for row in rows:
@@ -119,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<70} {rate:7.1f} {rate / base:6.2f} {per_forward:8.2f}")
     if args.out:
         args.out.write_text(json.dumps({"command": " ".join(sys.argv), "questions": len(prompts),
-                                        "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+                                        "dtype": args.dtype, "pack_weights": args.pack_weights,
+                                        "max_new_tokens": args.max_new_tokens,
                                         "results": summary}, indent=2))
     return 0
 

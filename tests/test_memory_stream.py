@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from cats.draft import EarlyExitDrafter, make_drafter
+from cats.draft import CONFIDENCE_STOP, EarlyExitDrafter, make_drafter
 from cats.errors import InvalidArgumentError
 from cats.generate import GenerationConfig, Generator
 from cats.memory import MemoryNeeds, offload_model, plan_for
@@ -187,6 +187,8 @@ def test_speculation_bucket_is_chosen_once_from_the_measured_io():
     assert info["io_s_per_pass"] > 0 and set(info["compute_s"]) == {str(b.tree_pass_tokens) for b in BUCKETS}
     assert make_drafter("tree", model, draft_layer=1, total_tokens=5).total_tokens == 5  # explicit wins
     assert isinstance(make_drafter("early-exit", model, draft_layer=1), EarlyExitDrafter)
+    # the bucket caps the drafts; the confidence stop still applies (default) unless turned off
+    assert drafter.threshold == CONFIDENCE_STOP and make_drafter("tree", model, draft_layer=1, threshold=0.0).threshold == 0
     model.close()
 
 

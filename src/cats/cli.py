@@ -111,7 +111,7 @@ def add_method_arguments(parser: argparse.ArgumentParser, default: str = "ar") -
     parser.add_argument("--threshold", type=float, default=None,
                         help="confidence stop: early-exit and layer-skip stop drafting below this draft probability, "
                         "tree, eagle and cats stop expanding below this cumulative path probability (default 0.4 for "
-                        "early-exit, eagle, tree and cats, 0 = never stop for layer-skip)")
+                        "early-exit, eagle, tree and cats; 0 = never stop, layer-skip's default)")
     add_tree_arguments(parser)
     add_sparsity_argument(parser)
 

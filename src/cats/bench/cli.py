@@ -50,8 +50,8 @@ def add_bench_parser(subparsers) -> None:
                        help="trained adapters folder (e.g. adapters/smollm2-135m-instruct): early-exit drafts through "
                             "its draft adapter")
     bench.add_argument("--threshold", type=float, default=None,
-                       help="confidence stop of CATS early-exit, eagle, tree, cats and layer-skip (default 0.4, "
-                       "layer-skip 0: never stop)")
+                       help="confidence stop of CATS early-exit, eagle, tree, cats and layer-skip (default 0.4; 0 = "
+                       "never stop, layer-skip's default)")
     add_tree_arguments(bench)
     add_sparsity_argument(bench)
     add_memory_arguments(bench)

@@ -69,7 +69,8 @@ def check_method(method: str) -> str:
 # The default confidence stop (``--threshold``) of the adapter drafters: a chain stops before a token whose draft
 # probability is below it, a tree stops expanding when its best path's is. Chosen by measurement on SmolLM2, bf16
 # and float32 (docs/benchmarks.md, "Confidence stop"): a draft pass costs ~0.1 of a forward, so an unlikely token
-# costs more than it earns; 0.3-0.5 measured alike, 0 (always draft the full length) was the slowest.
+# costs more than it earns; 0.4 and 0.6 measured alike, 0 (always draft the full length) was the slowest. Under a
+# memory budget it measured better than 0 at 110 % and the same at 50 % (float32).
 CONFIDENCE_STOP = 0.4
 CONFIDENCE_STOP_METHODS = ("early-exit", "eagle", "tree", "cats", "cats-no-shallow")
 
@@ -92,7 +93,8 @@ def make_drafter(
     ``adapters``: a folder with trained adapters (``DIR/draft/`` or an adapter folder itself); early exit and
     trees then draft through the draft adapter at its own layer (early exit through ``DIR/early-exit/``, an
     adapter that also reads the target's final features, when there is one). ``threshold``: their confidence stop;
-    None: `CONFIDENCE_STOP` for early-exit, eagle, tree and cats, none (0) for layer-skip.
+    None: `CONFIDENCE_STOP` for early-exit, eagle, tree and cats (also under a memory budget), none (0) for
+    layer-skip.
     ``tree_topk``, ``total_tokens``, ``depth``: the shape of dynamic draft trees (method ``tree``).
     ``sparsity``: layer-skip's fraction of skipped sublayers (default 0.4), or dytc's list of them (default 0.4,
     0.6); skip sets come from the calibration cache, calibrated on first use (`cats.draft.calibrate`; ``progress``:
