@@ -85,3 +85,15 @@ def test_generate_with_adapters(tmp_path):
     assert proc.returncode == 2 and "apply to early-exit" in proc.stderr
     proc = cats_cli("generate", "--model", STORIES_HF, "--prompt", "hi", "--method", "early-exit", "--adapters", tmp_path)
     assert proc.returncode == 2 and "no draft adapter" in proc.stderr
+
+
+def test_flag_defaults_match_the_library_defaults():
+    """The CLI keeps literal defaults (it parses without importing torch); they must equal the library's."""
+    from cats.cascade import SV_THRESHOLD
+    from cats.cli import build_parser
+
+    parser = build_parser()
+    for command in (["generate", "--prompt", "x"], ["bench", "--questions", "q.jsonl", "--out", "o"]):
+        args = parser.parse_args(command)
+        assert args.sv_threshold == SV_THRESHOLD, command
+        assert args.threshold is None, command  # None: the method's own confidence stop (cats.draft.CONFIDENCE_STOP)

@@ -59,8 +59,8 @@ def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
                         "verification (default 16, or chosen from the budget)")
     parser.add_argument("--depth", type=integer, default=None, help="tree/cats/eagle/recycle: maximum depth (default 5, "
                         "recycle 6, or chosen from the budget)")
-    parser.add_argument("--sv-threshold", type=float, default=0.2,
-                        help="cats: the shallow verifier prunes nodes it gives a probability below this")
+    parser.add_argument("--sv-threshold", type=float, default=0.05,  # = cats.cascade.SV_THRESHOLD (a test checks)
+                        help="cats: the shallow verifier prunes nodes it gives a probability below this (default 0.05)")
     parser.add_argument("--sv-passes", type=integer, default=1,
                         help="cats: shallow passes per deep pass; each extra one redrafts a chain from the shallow "
                         "verifier's own choice at the end of the path it accepts (default 1)")

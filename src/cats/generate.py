@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cats.acceptance import TYPICAL_NEEDS_DRAFTS, check_acceptance, make_acceptance
-from cats.cascade import make_scorer
+from cats.cascade import SV_THRESHOLD, make_scorer
 from cats.draft import DecodeState, Drafter, Proposal, make_drafter
 from cats.errors import InvalidArgumentError, PromptTooLongError
 from cats.model import LayeredModel
@@ -314,7 +314,7 @@ def generate(
     total_tokens: int | None = None,
     depth: int | None = None,
     sparsity: float | Sequence[float] | None = None,
-    sv_threshold: float = 0.2,
+    sv_threshold: float = SV_THRESHOLD,
     sv_passes: int = 1,
     chat: bool = False,
     stop: Sequence[str] = (),

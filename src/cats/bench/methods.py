@@ -30,7 +30,7 @@ import torch
 
 from cats.acceptance import check_acceptance, make_acceptance
 from cats.draft import METHODS as CATS_METHODS
-from cats.cascade import make_scorer
+from cats.cascade import SV_THRESHOLD, make_scorer
 from cats.draft import default_draft_layer, make_drafter
 from cats.errors import CatsError, InvalidArgumentError, UnknownMethodError
 from cats.generate import GenerationConfig, Generator
@@ -126,7 +126,7 @@ class MethodSettings:
     tree_topk: int | None = None  # None: the default, or chosen from the budget (cats.memory.speculation)
     total_tokens: int | None = None
     depth: int | None = None
-    sv_threshold: float = 0.2  # the cascade's pruning threshold (method cats)
+    sv_threshold: float = SV_THRESHOLD  # the cascade's pruning threshold (method cats)
     sv_passes: int = 1  # the cascade's shallow passes per deep pass (method cats)
     sparsity: tuple[float, ...] | None = None  # layer-skip / dytc sparsities (None: their defaults)
     threads: int = 1
