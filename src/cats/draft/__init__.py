@@ -74,6 +74,7 @@ def check_method(method: str) -> str:
 CONFIDENCE_STOP = 0.4
 CONFIDENCE_STOP_METHODS = ("early-exit", "eagle", "tree", "cats", "cats-no-shallow")
 
+
 def make_drafter(
     method: str,
     model: LayeredModel,
