@@ -86,6 +86,20 @@ def hf_greedy(model: LayeredModel, prompt_ids: list[int], max_new_tokens: int) -
     return out[0, len(prompt_ids):].tolist()
 
 
+def assert_drafters_reproduce_plain_decoding(model: LayeredModel, prompt_ids: list[int], max_new_tokens: int = 24):
+    """Prompt lookup, early exit at layer 1 and a small dynamic tree each give plain greedy decoding's tokens."""
+    from cats.draft import EarlyExitDrafter, PromptLookupDrafter, TreeDrafter
+    from cats.generate import GenerationConfig, Generator
+
+    def greedy(drafter=None):
+        return Generator(model, drafter).generate(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens)).token_ids
+
+    plain = greedy()
+    for drafter in (PromptLookupDrafter(num_tokens=6), EarlyExitDrafter(model, layer=1, num_tokens=4),
+                    TreeDrafter(model, layer=1, tree_topk=3, total_tokens=9, depth=3)):
+        assert greedy(drafter) == plain, type(drafter).__name__
+
+
 CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 

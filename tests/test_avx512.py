@@ -10,7 +10,7 @@ import torch
 from cats.draft import PromptLookupDrafter
 from cats.generate import GenerationConfig, Generator
 from cats.model import lean, avx512
-from tests.conftest import VOCAB, tiny_model
+from tests.conftest import VOCAB, assert_drafters_reproduce_plain_decoding, tiny_model
 
 DTYPES = (torch.bfloat16, torch.float32)
 SHAPES = [(7, 50), (13, 576), (100, 33), (96, 64), (49, 31)]  # outputs off and on the 48-row panels, odd inputs
@@ -191,8 +191,6 @@ def test_packed_bf16_speculation_reproduces_packed_plain_decoding_bit_for_bit():
     it alone, in a chain or in a tree: every method's greedy tokens equal plain decoding's, and a verification's
     rows equal the one-token forwards' logits exactly."""
     needs(torch.bfloat16)
-    from cats.draft import EarlyExitDrafter, TreeDrafter
-
     model = tiny_model("llama", seed=10, damp=0.1, dtype=torch.bfloat16)
     if lean.pack_linears(model)["reason"]:
         pytest.skip("no oneDNN packing here")
@@ -205,12 +203,5 @@ def test_packed_bf16_speculation_reproduces_packed_plain_decoding_bit_for_bit():
     model.forward(ids[:4], cache)
     one_by_one = torch.stack([model.forward(ids[i:i + 1], cache)[0] for i in range(4, 12)])
     assert torch.equal(chain, one_by_one)
-
-    def greedy(drafter=None):
-        return Generator(model, drafter).generate(prompt, GenerationConfig(max_new_tokens=24)).token_ids
-
-    plain = greedy()
-    assert greedy(PromptLookupDrafter(num_tokens=6)) == plain
-    assert greedy(EarlyExitDrafter(model, layer=1, num_tokens=4)) == plain
-    assert greedy(TreeDrafter(model, layer=1, tree_topk=3, total_tokens=9, depth=3)) == plain
+    assert_drafters_reproduce_plain_decoding(model, prompt)
     lean.unpack_linears(model)

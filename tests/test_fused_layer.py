@@ -5,11 +5,10 @@ norm and SiLU rounding), stay row-invariant, leave its caller's tensors alone, a
 import pytest
 import torch
 
-from cats.draft import EarlyExitDrafter, PromptLookupDrafter, TreeDrafter
 from cats.generate import GenerationConfig, Generator
 from cats.model import LayeredModel, avx512, lean
 from cats.model.lean_layer import fused_unsupported
-from conftest import COMMON, VOCAB, tiny_model
+from conftest import COMMON, VOCAB, assert_drafters_reproduce_plain_decoding, tiny_model
 
 DTYPES = [torch.bfloat16, torch.float32]
 
@@ -108,14 +107,7 @@ def test_fused_layer_speculation_reproduces_plain_decoding_bit_for_bit():
     needs(torch.bfloat16)
     model = model_with_wide_heads("qwen2", torch.bfloat16, seed=4)
     prompt = torch.randint(3, VOCAB, (10,), generator=torch.Generator().manual_seed(6)).tolist() * 2
-
-    def greedy(drafter=None):
-        return Generator(model, drafter).generate(prompt, GenerationConfig(max_new_tokens=24)).token_ids
-
-    plain = greedy()
-    assert greedy(PromptLookupDrafter(num_tokens=6)) == plain
-    assert greedy(EarlyExitDrafter(model, layer=1, num_tokens=4)) == plain
-    assert greedy(TreeDrafter(model, layer=1, tree_topk=3, total_tokens=9, depth=3)) == plain
+    assert_drafters_reproduce_plain_decoding(model, prompt)
 
 
 @torch.no_grad()

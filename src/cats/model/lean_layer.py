@@ -288,11 +288,12 @@ def _parts_key(parts: tuple) -> list:
 
 def _layer_spec(layer: nn.Module, dtype: torch.dtype):
     """The layer's `avx512.LayerSpec` over its packed copies, or None if a linear is not packed or a weight is not
-    ``dtype``; kept in the layer with what it points to, made again whenever a weight or bias changed (checked on
-    every call: the same modules, their tensors' storage and version; ~3 µs)."""
+    ``dtype``; kept in `lean.LAYER_SPECS` with what it points to, made again whenever a weight or bias changed
+    (checked on every call: the same modules, their tensors' storage and version; ~3 µs)."""
     entry = LAYER_SPECS.get(layer)
     parts = _layer_parts(layer)
-    if entry is not None and entry[1] == parts and entry[2] == _parts_key(parts):
+    key = _parts_key(parts)
+    if entry is not None and entry[1] == parts and entry[2] == key:
         return entry[0]
     first_norm, second_norm, linears = parts[0], parts[1], parts[2:]
     norms = (first_norm.weight, second_norm.weight)
@@ -314,7 +315,7 @@ def _layer_spec(layer: nn.Module, dtype: torch.dtype):
         ln1=norms[0].data_ptr(), ln2=norms[1].data_ptr(), qkv=qkv[1].data_ptr(), qkv_bias=pointer(qkv[2]),
         o=o.data_ptr(), o_bias=pointer(o_bias), gate_up=gate_up[1].data_ptr(), gate_up_bias=pointer(gate_up[2]),
         down=down.data_ptr(), down_bias=pointer(down_bias))
-    LAYER_SPECS[layer] = (spec, parts, _parts_key(parts), (norms, qkv, gate_up, o, o_bias, down, down_bias))
+    LAYER_SPECS[layer] = (spec, parts, key, (norms, qkv, gate_up, o, o_bias, down, down_bias))
     return spec
 
 
