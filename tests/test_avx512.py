@@ -9,7 +9,7 @@ import torch
 
 from cats.draft import PromptLookupDrafter
 from cats.generate import GenerationConfig, Generator
-from cats.model import lean, avx512
+from cats.model import lean, avx512, native
 from tests.conftest import VOCAB, assert_drafters_reproduce_plain_decoding, tiny_model
 
 DTYPES = (torch.bfloat16, torch.float32)
@@ -109,21 +109,21 @@ def test_unavailable_says_why(monkeypatch):
     monkeypatch.setitem(avx512.KERNELS, "off", False)
     assert avx512.unavailable(torch.float16) == "no kernel for torch.float16"
     monkeypatch.setattr(avx512, "_STATE", {})
-    monkeypatch.setattr(avx512, "_compiler", lambda: None)
+    monkeypatch.setattr(native, "compiler", lambda: None)
     assert avx512.unavailable(torch.float32).startswith(("no C compiler found", "the kernels are x86-64"))
 
 
 def test_an_unwritable_kernel_cache_is_a_reason_not_a_crash(monkeypatch, tmp_path):
     import cats.model.load as load
 
-    if avx512._compiler() is None or avx512.platform.machine() not in ("x86_64", "AMD64"):
+    if native.compiler() is None or avx512.platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("no compiler / not x86-64: the build is never tried")
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setattr(load, "cache_root", lambda: blocker / "cache")  # a folder under a file: cannot be made
     monkeypatch.setattr(avx512, "_STATE", {})
     reason = avx512.unavailable(torch.float32)
-    assert reason.startswith("building the kernels in") and "a-file" in reason
+    assert reason.startswith("building avx512.c in") and "a-file" in reason
 
 
 @torch.no_grad()

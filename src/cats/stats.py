@@ -88,7 +88,9 @@ class GenerationStats:
             + (f"; scheduler: {_scheduler_text(self.scheduler)}" if self.scheduler else "")
             + (f"; offload: layers [{self.offload['streamed_layers'][0]}, {self.offload['streamed_layers'][1]}) "
                f"streamed ({self.offload['io']}), read {self.offload['bytes_read'] / 2**20:.0f} MiB in "
-               f"{self.offload['read_s']:.2f} s, stalled {self.offload['stall_s']:.2f} s, "
+               f"{self.offload['read_s']:.2f} s"
+               + (f" ({self.offload['decode_s']:.2f} s decoding blocks)" if self.offload.get("decode_s") else "")
+               + f", stalled {self.offload['stall_s']:.2f} s, "
                f"{self.offload['hidden_fraction']:.0%} of reads hidden behind compute" if self.offload else "")
             + (f"; peak RSS {self.peak_rss_mb:.0f} MiB" if self.peak_rss_mb is not None else "")
         )

@@ -130,6 +130,7 @@ def offload_totals(answers: Sequence[dict]) -> dict | None:
     if not turns:
         return None
     total = {key: sum(counts[key] for counts in turns) for key in OFFLOAD_SUMS}
+    total["decode_s"] = round(sum(counts.get("decode_s", 0.0) for counts in turns), 4)  # absent in older answers
     total["read_s"], total["stall_s"] = round(total["read_s"], 4), round(total["stall_s"], 4)
     hidden = 1 - total["stall_s"] / total["read_s"] if total["read_s"] > 0 else 0.0
     total.update(hidden_fraction=round(min(1.0, max(0.0, hidden)), 4),

@@ -80,6 +80,14 @@ def round_up(n: int, alignment: int = STORE_ALIGNMENT) -> int:
     return -(-n // alignment) * alignment
 
 
+def numel(shape) -> int:
+    """Elements of a tensor of ``shape``."""
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
 @dataclass
 class PartSizes:
     """Bytes of each part of a model's weights, from its real parameter sizes (tied weights counted once)."""
@@ -88,6 +96,11 @@ class PartSizes:
     norm: int
     lm_head: int  # 0 when tied to the embeddings
     layers: list[int]
+    stored_layers: list[int] | None = None  # each layer's bytes in the layer store where it keeps quantised blocks
+    # (`cats.memory.blocks`; what streaming it reads); None: the layers' own sizes
+
+    def stored(self, layer: int) -> int:
+        return self.layers[layer] if self.stored_layers is None else self.stored_layers[layer]
 
     @classmethod
     def of(cls, hf_model) -> "PartSizes":
@@ -190,13 +203,25 @@ class MemoryPlan:
         return sum(self.parts.layers[: self.resident_layers])
 
     @property
+    def read_buffer_bytes(self) -> int:
+        """The reader's buffer for streamed layers stored as quantised blocks (read there, decoded into a stream
+        buffer); 0 when none is."""
+        coded = [self.parts.stored(i) for i in self.streamed if self.parts.stored(i) < self.parts.layers[i]]
+        return round_up(max(coded)) if coded else 0
+
+    @property
     def pool_bytes(self) -> int:
-        return self.pool_slots * self.slot_bytes
+        return self.pool_slots * self.slot_bytes + self.read_buffer_bytes
 
     @property
     def bytes_per_pass(self) -> int:
         """Bytes read from the store by one forward pass over every layer (one verification pass)."""
-        return sum(self.parts.layers[self.resident_layers:])
+        return sum(self.parts.stored(i) for i in self.streamed)
+
+    @property
+    def coded_layers(self) -> int:
+        """Streamed layers the store keeps (partly) as quantised blocks."""
+        return sum(self.parts.stored(i) < self.parts.layers[i] for i in self.streamed)
 
     @property
     def planned_bytes(self) -> int:
@@ -223,7 +248,10 @@ class MemoryPlan:
                  (f"activations ({self.needs.max_tree_tokens}-token pass)", self.activation_bytes),
                  (f"resident layers [0, {self.resident_layers})", self.resident_layer_bytes)]
         if self.pool_slots:
-            rows.append((f"stream buffers ({self.pool_slots} x {mib(self.slot_bytes)})", self.pool_bytes))
+            rows.append((f"stream buffers ({self.pool_slots} x {mib(self.slot_bytes)})",
+                         self.pool_slots * self.slot_bytes))
+        if self.read_buffer_bytes:
+            rows.append(("read buffer (quantised blocks)", self.read_buffer_bytes))
         return rows
 
     def describe(self) -> str:
@@ -236,6 +264,9 @@ class MemoryPlan:
             lines.append(f"  streamed layers [{self.streamed.start}, {self.streamed.stop}) "
                          f"({len(self.streamed)} of {self.num_layers}): {mib(self.bytes_per_pass)} read per "
                          f"verification pass, {self.needs.prefetch} layer(s) read ahead")
+            if self.coded_layers:
+                lines.append(f"  {self.coded_layers} streamed layer(s) stored as the GGUF file's quantised blocks, "
+                             "decoded as they are read (the same weights, bit for bit)")
         else:
             lines.append("  every layer is resident: nothing streams")
         if self.needs.shallow_layers > self.resident_layers:
@@ -250,7 +281,8 @@ class MemoryPlan:
             "weights_mb": round(self.parts.weights / MIB, 2), "planned_mb": round(self.planned_bytes / MIB, 2),
             "parts_mb": {name: round(size / MIB, 2) for name, size in self.rows()},
             "resident_layers": self.resident_layers, "streamed_layers": [self.streamed.start, self.streamed.stop],
-            "pool_slots": self.pool_slots, "bytes_per_pass": self.bytes_per_pass, "needs": asdict(self.needs),
+            "pool_slots": self.pool_slots, "bytes_per_pass": self.bytes_per_pass, "coded_layers": self.coded_layers,
+            "needs": asdict(self.needs),
         }
 
 

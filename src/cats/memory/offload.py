@@ -13,44 +13,49 @@ Two ways in:
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import torch
 
 from cats.errors import InvalidArgumentError
+from cats.memory.blocks import GGUFBlocks
 from cats.memory.budget import (DEFAULT_CONTEXT_TOKENS, DEFAULT_PREFETCH, BudgetTooSmallError, MemoryNeeds,
-                                MemoryPlan, PartSizes, activation_bytes, kv_cache_bytes, parse_budget, plan_memory)
+                                MemoryPlan, PartSizes, activation_bytes, kv_cache_bytes, numel, parse_budget,
+                                plan_memory)
 from cats.memory.rss import bound_heap
-from cats.memory.store import (Checkpoint, LayerStore, ensure_store, model_source, part_modules,
-                               read_part, tied_aliases, write_from_checkpoint, write_from_model)
+from cats.memory.store import (Checkpoint, LayerStore, ensure_store, model_source, part_modules, tied_aliases,
+                               write_from_checkpoint, write_from_model)
 from cats.memory.stream import IO_MODES, LayerStreamer
 from cats.model.identity import fingerprint_of, fingerprint_rows, model_fingerprint
 
 
-def plan_for(hf_model, budget: str | int, needs: MemoryNeeds) -> MemoryPlan:
+def plan_for(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: list[int] | None = None) -> MemoryPlan:
     """The plan for ``hf_model`` (real or meta parameters) under ``budget`` (bytes, ``300MiB`` or ``50%``).
+    ``stored_layers``: each decoder layer's bytes in the layer store, where it holds quantised blocks.
 
     When the draft size is left to the budget (``needs.speculation``), the largest speculation bucket whose
     activations still fit is reserved (``needs.max_tree_tokens`` is set to it); the error for a budget too small
     names the minimum with the smallest bucket."""
     if needs.speculation is None:
-        return _plan(hf_model, budget, needs)
+        return _plan(hf_model, budget, needs, stored_layers)
     from cats.memory.speculation import BUCKETS, pass_tokens
 
     error = None
     for bucket in reversed(BUCKETS):
         needs.max_tree_tokens = pass_tokens(bucket, needs.speculation)
         try:
-            return _plan(hf_model, budget, needs)
+            return _plan(hf_model, budget, needs, stored_layers)
         except BudgetTooSmallError as too_small:
             error = too_small
     raise error
 
 
-def _plan(hf_model, budget: str | int, needs: MemoryNeeds) -> MemoryPlan:
+def _plan(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: list[int] | None = None) -> MemoryPlan:
     config = hf_model.config
     parts = PartSizes.of(hf_model)
+    parts.stored_layers = stored_layers
     itemsize = hf_model.model.embed_tokens.weight.element_size()
     kv = kv_cache_bytes(config, itemsize, needs.context_tokens + needs.max_tree_tokens, needs.extra_cache_layers)
     # a decode pass over the largest tree (logits for every node), or the prefill (logits for one row)
@@ -109,29 +114,48 @@ def load_under_budget(folder: str | Path, config, dtype: torch.dtype, budget: st
     hf_model = build_skeleton(config, dtype, attn_implementation)
     _load_generation_config(hf_model, folder)
     needs = _default_needs(config, needs)
-    plan = plan_for(hf_model, budget, needs)
-    store = checkpoint_store(folder, hf_model, dtype, layer_store)
+    blocks = GGUFBlocks.of_checkpoint(folder, dtype)
+    plan = plan_for(hf_model, budget, needs, stored_layers=_stored_estimate(hf_model, blocks))
+    store = checkpoint_store(folder, hf_model, dtype, layer_store, blocks)
+    plan.parts.stored_layers = store.stored_layer_bytes()  # what it holds: a tensor whose blocks did not decode
+    # to the checkpoint's bits is plain, so only the read buffer's share of the plan can shrink
     modules = part_modules(hf_model)
     resident = ["embed", "norm", *(["lm_head"] if "lm_head" in modules else []),
                 *(f"layer-{i:03d}" for i in range(plan.resident_layers))]
     for part in resident:
-        _set_parameters(modules[part][1], read_part(store.header(part)))
+        _set_parameters(modules[part][1], store.read(part))
     if "lm_head" not in modules:
         hf_model.lm_head._parameters["weight"] = hf_model.model.embed_tokens.weight
     return hf_model, plan, _start_streaming(hf_model, store, plan, io)
 
 
-def checkpoint_store(folder: str | Path, hf_model, dtype: torch.dtype, layer_store: str | Path | None = None) -> LayerStore:
+def checkpoint_store(folder: str | Path, hf_model, dtype: torch.dtype, layer_store: str | Path | None = None,
+                     blocks: GGUFBlocks | None = None) -> LayerStore:
     """The layer store of the checkpoint in ``folder`` (made now if absent), for the model skeleton ``hf_model``.
     Its key is the model fingerprint, computed from the checkpoint's own lm_head rows, so that a store holding
-    another model's weights is caught (`cats.memory.store.open_store`)."""
+    another model's weights is caught (`cats.memory.store.open_store`). ``blocks``: the GGUF file the checkpoint
+    came from, whose quantised blocks the store keeps where they decode to the checkpoint's weights (its own key:
+    a store with blocks and one without never share a folder)."""
     config = hf_model.config
     checkpoint = Checkpoint(Path(folder))
     rows = checkpoint.read("lm_head.weight", tied_aliases(hf_model), fingerprint_rows(config.vocab_size)).to(dtype)
     parts = {part: sum(p.numel() * p.element_size() for p in module.parameters())
              for part, (_, module) in part_modules(hf_model).items()}
-    return ensure_store(layer_store, fingerprint_of(config, rows), dtype, config, checkpoint.source(), parts,
-                        write_from_checkpoint(checkpoint, hf_model, dtype))
+    source = checkpoint.source()
+    if blocks is not None:
+        source["blocks"] = blocks.record()
+        source["digest"] = hashlib.sha256(json.dumps([source["digest"], source["blocks"]]).encode()).hexdigest()
+    return ensure_store(layer_store, fingerprint_of(config, rows), dtype, config, source, parts,
+                        write_from_checkpoint(checkpoint, hf_model, dtype, blocks))
+
+
+def _stored_estimate(hf_model, blocks: GGUFBlocks | None) -> list[int] | None:
+    """What each decoder layer will occupy in a store made with ``blocks`` (None: no blocks, the plain size)."""
+    if blocks is None:
+        return None
+    layers = hf_model.model.layers[: hf_model.config.num_hidden_layers]
+    return [blocks.layer_bytes(i, {name: tuple(p.shape) for name, p in layer.named_parameters()},
+                               next(layer.parameters()).element_size()) for i, layer in enumerate(layers)]
 
 
 def _load_generation_config(hf_model, folder) -> None:
@@ -179,16 +203,9 @@ def adapter_bytes(folder: Path, hidden_size: int, itemsize: int) -> tuple[int, i
     except (OSError, json.JSONDecodeError) as error:
         raise AdapterError(f"cannot read adapter config {folder / 'config.json'}: {error}") from None
     header = read_header(folder / "model.safetensors")
-    numel = sum(_numel(e.shape) for e in header.entries.values())
+    values = sum(numel(e.shape) for e in header.entries.values())
     vocab = config.get("vocab_subset") or []
-    return int(config["layer"]), numel * itemsize + len(vocab) * (hidden_size * itemsize + 8)
-
-
-def _numel(shape) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
+    return int(config["layer"]), values * itemsize + len(vocab) * (hidden_size * itemsize + 8)
 
 
 def memory_needs(config, dtype: torch.dtype, method: str = "ar", adapters: str | None = None,

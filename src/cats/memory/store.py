@@ -18,6 +18,13 @@ model that does not fit in memory can still be stored) or from a model already i
 It is written into a temporary folder and renamed into place, so an interrupted build never looks finished; free
 disk space is checked before writing. Opening checks the format, the model fingerprint, the dtype and every file's
 size, so a truncated file or a store of another model is caught before any token is generated.
+
+A store made from a GGUF file's checkpoint (the folder `cats.model.load.convert_gguf` writes) keeps each decoder
+layer's weights in the file's own quantised blocks (`cats.memory.blocks`) wherever decoding them gives the
+checkpoint's weights bit for bit (checked for every tensor when the store is made; rows may be in another order, as
+transformers permutes Llama's q/k rows: the blocks are stored in the checkpoint's order). Such a tensor is a uint8
+``[rows, bytes a row]`` tensor in the part file, and ``store.json`` records its kind, shape and dtype under the
+part's ``coded``; `LayerStore.read` and the layer reader decode it. Everything else is stored plain.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from pathlib import Path
 import torch
 
 from cats.errors import CatsError
-from cats.memory.budget import MIB, STORE_ALIGNMENT, mib, round_up
+from cats.memory.budget import MIB, STORE_ALIGNMENT, mib, numel, round_up
 
 FORMAT = "cats-layer-store/1"
 META_FILE = "store.json"
@@ -76,6 +83,49 @@ class PartHeader:
     def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """The part's tensors as views of ``buffer`` (uint8, holding the data section from offset 0)."""
         return {name: buffer[e.begin:e.end].view(e.dtype).view(e.shape) for name, e in self.entries.items()}
+
+
+@dataclass(frozen=True)
+class DecodedPart:
+    """A part whose file holds some tensors as quantised blocks: ``entries`` is where its tensors lie, decoded, in
+    a buffer of ``data_bytes`` (what `PartHeader` is for a plain part: same ``layout`` and ``views``)."""
+
+    file: PartHeader
+    coded: dict[str, str]  # tensor name -> block kind
+    entries: dict[str, TensorEntry]
+    data_bytes: int
+
+    @classmethod
+    def of(cls, header: PartHeader, coded: dict[str, dict]) -> "DecodedPart":
+        specs = {}
+        for name, entry in header.entries.items():
+            info = coded.get(name)
+            specs[name] = (SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"])) if info else (entry.dtype, entry.shape)
+        entries, offset = {}, 0
+        for name, (dtype, shape) in sorted(specs.items(), key=lambda item: (-item[1][0].itemsize, item[0])):
+            size = dtype.itemsize * numel(shape)
+            entries[name] = TensorEntry(dtype, shape, offset, offset + size)
+            offset = round_up(offset + size, 64)
+        return cls(header, {name: info["kind"] for name, info in coded.items()}, entries, offset)
+
+    @property
+    def layout(self) -> tuple:
+        return tuple((name, e.dtype, e.shape, e.begin, e.end) for name, e in sorted(self.entries.items()))
+
+    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: buffer[e.begin:e.end].view(e.dtype).view(e.shape) for name, e in self.entries.items()}
+
+    def decode(self, raw: torch.Tensor, buffer: torch.Tensor) -> None:
+        """Fill ``buffer`` (uint8, ``data_bytes`` or more) from ``raw`` (uint8, the file's data section)."""
+        from cats.memory import blocks
+
+        for name, entry in self.entries.items():
+            stored = self.file.entries[name]
+            source, target = raw[stored.begin:stored.end], buffer[entry.begin:entry.end]
+            if name in self.coded:
+                blocks.decode_into(self.coded[name], source, target.view(entry.dtype))
+            else:
+                target.copy_(source)
 
 
 def write_part(path: Path, tensors: dict[str, torch.Tensor]) -> int:
@@ -152,8 +202,8 @@ def pread_exact(fd: int, buffer: memoryview, offset: int, nbytes: int, path: Pat
         done += count
 
 
-def read_part(header: PartHeader) -> dict[str, torch.Tensor]:
-    """A part's tensors in one freshly allocated buffer (buffered read, then dropped from the page cache)."""
+def _read_data(header: PartHeader) -> torch.Tensor:
+    """A part file's data section in one freshly allocated buffer (buffered read, then dropped from the page cache)."""
     buffer = torch.empty(header.data_bytes, dtype=torch.uint8)
     fd = os.open(header.path, os.O_RDONLY)
     try:
@@ -161,7 +211,12 @@ def read_part(header: PartHeader) -> dict[str, torch.Tensor]:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-    return header.views(buffer)
+    return buffer
+
+
+def read_part(header: PartHeader) -> dict[str, torch.Tensor]:
+    """A plain part's tensors in one freshly allocated buffer (`LayerStore.read` decodes quantised ones)."""
+    return header.views(_read_data(header))
 
 
 # --------------------------------------------------------------------------------------------- parts of a model
@@ -207,6 +262,25 @@ class LayerStore:
     def layer_header(self, layer: int) -> PartHeader:
         return self.header(part_name(layer))
 
+    def layout(self, part: str) -> PartHeader | DecodedPart:
+        """Where the part's tensors lie in a buffer holding it: the file's own layout, or the decoded one when the
+        part holds quantised blocks."""
+        header, coded = self.header(part), self.meta["parts"][part].get("coded")
+        return DecodedPart.of(header, coded) if coded else header
+
+    def read(self, part: str) -> dict[str, torch.Tensor]:
+        """A part's tensors (decoded), in freshly allocated memory."""
+        layout = self.layout(part)
+        if isinstance(layout, PartHeader):
+            return read_part(layout)
+        buffer = torch.empty(layout.data_bytes, dtype=torch.uint8)
+        layout.decode(_read_data(layout.file), buffer)
+        return layout.views(buffer)
+
+    def stored_layer_bytes(self) -> list[int]:
+        """Bytes each decoder layer's file holds (what streaming it reads)."""
+        return [self.layer_header(i).data_bytes for i in range(self.meta["num_layers"])]
+
 
 def open_store(folder: Path, fingerprint: str, dtype: torch.dtype, num_layers: int, config=None) -> LayerStore:
     """Open and check a store: format, recorded model fingerprint, dtype, the size of every part file, and (with
@@ -233,6 +307,13 @@ def open_store(folder: Path, fingerprint: str, dtype: torch.dtype, num_layers: i
         if size != info["size"]:
             state = "is missing" if size is None else f"has {size} bytes, not {info['size']} (truncated or damaged)"
             raise StoreError(f"layer file {path} {state}; delete {folder} to rebuild the store")
+    if any(info.get("coded") for info in meta["parts"].values()):
+        from cats.memory import blocks
+
+        reason = blocks.unavailable()
+        if reason is not None:
+            raise StoreError(f"layer store {folder} keeps layers in quantised blocks, but the block decoder is "
+                             f"unavailable ({reason}); delete {folder} to rebuild the store with plain weights")
     store = LayerStore(folder, meta)
     if config is not None:
         from cats.model.identity import fingerprint_of, fingerprint_rows
@@ -257,7 +338,9 @@ def ensure_store(folder: Path | None, fingerprint: str, dtype: torch.dtype, conf
 
     ``folder`` None: the default folder under ``$CATS_CACHE/layers`` (named by fingerprint, dtype and source); a
     damaged store there is rebuilt. An explicit folder is never overwritten: a store of another model or a damaged
-    one there is an error. ``parts`` maps each part to its data bytes (for the free-space check)."""
+    one there is an error. ``parts`` maps each part to its data bytes (for the free-space check). ``write``
+    returns each part's file size, or ``{"size": ..., "coded": {tensor: {"kind", "shape", "dtype"}}}`` for a part
+    holding quantised blocks."""
     explicit, num_layers = folder is not None, config.num_hidden_layers
     folder = Path(folder) if explicit else default_store_folder(fingerprint, dtype, source["digest"])
     if (folder / META_FILE).is_file():
@@ -287,7 +370,8 @@ def build(folder: Path, fingerprint: str, dtype: torch.dtype, num_layers: int, s
         sizes = write(staging)
         meta = {"format": FORMAT, "fingerprint": fingerprint, "dtype": str(dtype).removeprefix("torch."),
                 "num_layers": num_layers, "source": source, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "parts": {part: {"file": f"{part}.safetensors", "size": size} for part, size in sizes.items()}}
+                "parts": {part: {"file": f"{part}.safetensors", **(info if isinstance(info, dict) else {"size": info})}
+                          for part, info in sizes.items()}}
         (staging / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         try:
             staging.rename(folder)
@@ -385,21 +469,29 @@ def tied_aliases(hf_model) -> dict[str, str]:
     return {**tied, **{source: target for target, source in tied.items()}}
 
 
-def write_from_checkpoint(checkpoint: Checkpoint, hf_model, dtype: torch.dtype):
+def write_from_checkpoint(checkpoint: Checkpoint, hf_model, dtype: torch.dtype, blocks=None):
     """A ``write`` function for `ensure_store` that copies a checkpoint into parts, converted to ``dtype``, with
     one part in memory at a time (the checkpoint is read with ``pread``, never mapped whole). ``hf_model``
-    (parameters may be on the meta device) gives the part structure."""
+    (parameters may be on the meta device) gives the part structure. ``blocks`` (`cats.memory.blocks.GGUFBlocks`,
+    the GGUF file the checkpoint came from): decoder layers keep the file's quantised blocks for every tensor they
+    decode to bit for bit."""
     aliases = tied_aliases(hf_model)
 
-    def write(staging: Path) -> dict[str, int]:
-        sizes = {}
+    def write(staging: Path) -> dict[str, int | dict]:
+        infos = {}
         for part, (prefix, module) in part_modules(hf_model).items():
             tensors = {name: checkpoint.read(f"{prefix}.{name}", aliases).to(dtype) for name, _ in module.named_parameters()}
             for name, parameter in module.named_parameters():
                 if tuple(tensors[name].shape) != tuple(parameter.shape):
                     raise StoreError(f"checkpoint tensor {prefix}.{name} has shape {list(tensors[name].shape)}, the "
                                      f"model expects {list(parameter.shape)}")
-            sizes[part] = write_part(staging / f"{part}.safetensors", tensors)
-            del tensors
-        return sizes
+            coded = blocks.encode(int(part.removeprefix("layer-")), tensors) if (
+                blocks is not None and part.startswith("layer-")) else {}
+            stored = {name: coded[name][1] if name in coded else tensor for name, tensor in tensors.items()}
+            size = write_part(staging / f"{part}.safetensors", stored)
+            infos[part] = {"size": size, "coded": {
+                name: {"kind": kind, "shape": list(tensors[name].shape), "dtype": DTYPE_NAMES[dtype]}
+                for name, (kind, _) in coded.items()}} if coded else size
+            del tensors, stored, coded
+        return infos
     return write

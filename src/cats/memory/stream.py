@@ -17,9 +17,12 @@ Reads and the page cache (memory counted is memory used):
   and only until its read returns. Kernel read-ahead can make it faster on an idle machine, but the kernel's copy
   competes with compute for the CPU.
 
-Both release the GIL for the whole read, so compute and I/O overlap. Counters (`StreamCounters`): bytes and
-layers read, read time (the reader thread inside ``preadv``), stall time (compute waiting in ``acquire``), and
-the fraction of read time hidden behind compute, ``1 - stall / read``.
+Both release the GIL for the whole read, so compute and I/O overlap. A layer the store keeps as quantised blocks
+(`cats.memory.blocks`) is read into one extra buffer of the reader's and decoded from there into its stream buffer,
+in the reader thread (the decoder releases the GIL too). Counters (`StreamCounters`): bytes and layers read, read
+time (the reader loading layers: inside ``preadv``, plus decoding), decode time (its share spent decoding), stall
+time (compute waiting in ``acquire``), and the fraction of the reader's time hidden behind compute,
+``1 - stall / read``.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from cats.errors import InvalidArgumentError
-from cats.memory.store import LayerStore, StoreError, pread_exact
+from cats.memory.store import DecodedPart, LayerStore, StoreError, part_name, pread_exact
 from cats.memory.budget import STORE_ALIGNMENT, round_up
 
 IO_MODES = ("buffered", "direct")
@@ -45,7 +48,8 @@ FREE, LOADING, READY, IN_USE = "free", "loading", "ready", "in use"
 class StreamCounters:
     bytes_read: int = 0
     layers_read: int = 0
-    read_s: float = 0.0  # time the reader spent reading
+    read_s: float = 0.0  # time the reader spent loading layers (reading, and decoding quantised blocks)
+    decode_s: float = 0.0  # the part of read_s spent decoding
     stall_s: float = 0.0  # time compute waited for a layer
     stalls: int = 0  # acquires that had to wait
     acquires: int = 0
@@ -66,7 +70,7 @@ class StreamCounters:
 
     def to_dict(self) -> dict:
         data = asdict(self)
-        data.update(read_s=round(self.read_s, 4), stall_s=round(self.stall_s, 4),
+        data.update(read_s=round(self.read_s, 4), decode_s=round(self.decode_s, 4), stall_s=round(self.stall_s, 4),
                     hidden_fraction=round(self.hidden_fraction, 4), read_mb_per_s=round(self.read_bandwidth / 2**20, 1))
         return data
 
@@ -91,9 +95,12 @@ class LayerStreamer:
         if not 0 <= first < num_layers or slots < 1:
             raise ValueError(f"nothing to stream: first={first}, layers={num_layers}, slots={slots}")
         self.store, self.first, self.num_layers, self.io = store, first, num_layers, io
-        self.headers = {i: store.layer_header(i) for i in range(first, num_layers)}
-        slot_bytes = max(slot_bytes, round_up(max(h.data_bytes for h in self.headers.values())))
+        self.headers = {i: store.layer_header(i) for i in range(first, num_layers)}  # the files
+        self.layouts = {i: store.layout(part_name(i)) for i in range(first, num_layers)}  # the decoded tensors
+        slot_bytes = max(slot_bytes, round_up(max(layout.data_bytes for layout in self.layouts.values())))
         self.slots = [_Slot(slot_bytes) for _ in range(slots)]
+        coded = [self.headers[i].data_bytes for i, layout in self.layouts.items() if isinstance(layout, DecodedPart)]
+        self.read_buffer = _Slot(round_up(max(coded))) if coded else None  # quantised layers are read here first
         # per streamed layer: (module, attribute) for each parameter name, and the meta placeholders
         self.bindings: dict[int, list[tuple[torch.nn.Module, str, str]]] = {}
         self.placeholders: dict[int, list[torch.nn.Parameter]] = {}
@@ -104,7 +111,7 @@ class LayerStreamer:
                 owner, _, attribute = name.rpartition(".")
                 binding.append((layer.get_submodule(owner) if owner else layer, attribute, name))
             names = {name for _, _, name in binding}
-            if names != set(self.headers[i].entries):
+            if names != set(self.layouts[i].entries):
                 raise StoreError(f"layer file {self.headers[i].path} does not hold layer {i}'s parameters")
             self.bindings[i] = binding
             self.placeholders[i] = [getattr(module, attribute) for module, attribute, _ in binding]
@@ -141,12 +148,12 @@ class LayerStreamer:
             slot.state = IN_USE
             self.counters.acquires += 1
             self.expected = layer + 1 if layer + 1 < self.num_layers else self.first
-        header = self.headers[layer]
-        parameters = slot.parameters.get(header.layout)
+        layout = self.layouts[layer]
+        parameters = slot.parameters.get(layout.layout)
         if parameters is None:
-            views = header.views(slot.buffer)
+            views = layout.views(slot.buffer)
             parameters = [torch.nn.Parameter(views[name], requires_grad=False) for _, _, name in self.bindings[layer]]
-            slot.parameters[header.layout] = parameters
+            slot.parameters[layout.layout] = parameters
         for (module, attribute, _), parameter in zip(self.bindings[layer], parameters):
             module._parameters[attribute] = parameter
 
@@ -197,7 +204,15 @@ class LayerStreamer:
                 self.next_to_read = layer + 1 if layer + 1 < self.num_layers else self.first
             try:
                 start = time.perf_counter()
-                self._read(layer, slot)
+                layout = self.layouts[layer]
+                if isinstance(layout, DecodedPart):
+                    self._read(layer, self.read_buffer)
+                    decode_start = time.perf_counter()
+                    layout.decode(self.read_buffer.buffer, slot.buffer)
+                    decoded = time.perf_counter() - decode_start
+                else:
+                    self._read(layer, slot)
+                    decoded = 0.0
                 elapsed = time.perf_counter() - start
             except BaseException as error:  # reported to the compute side by acquire
                 with self.condition:
@@ -207,6 +222,7 @@ class LayerStreamer:
                 return
             with self.condition:
                 self.counters.read_s += elapsed
+                self.counters.decode_s += decoded
                 self.counters.bytes_read += self.headers[layer].data_bytes
                 self.counters.layers_read += 1
                 if generation == self.generation:
@@ -283,4 +299,4 @@ class LayerStreamer:
 
     @property
     def pool_bytes(self) -> int:
-        return sum(len(slot.memory) for slot in self.slots)
+        return sum(len(slot.memory) for slot in self.slots) + (len(self.read_buffer.memory) if self.read_buffer else 0)

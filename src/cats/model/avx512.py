@@ -34,13 +34,9 @@ Without a compiler, without AVX-512 (bf16: AVX512_BF16), off x86-64 Linux, or wi
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import hashlib
 import os
 import platform
-import shutil
-import subprocess
 import threading
 from pathlib import Path
 
@@ -59,60 +55,15 @@ _STATE: dict = {}  # "library", "kinds", "reason" once the build was tried; then
 # ctypes functions by (kind, dtype)
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _cpu_identity() -> str:
-    """What ``-march=native`` compiles for: the CPU model and flags (Linux), else the platform's description."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(lines)))
-
-
 def _build() -> tuple[ctypes.CDLL | None, int, str | None]:
     """Compile (or find in the cache) and load the kernels: ``(library, kinds, None)`` or ``(None, 0, reason)``."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None, 0, f"the kernels are x86-64 Linux only (this is {platform.system()} {platform.machine()})"
-    compiler = _compiler()
-    if compiler is None:
-        return None, 0, "no C compiler found (set CC, or install gcc)"
-    from cats.model.load import cache_root
+    from cats.model.native import build_library
 
-    source = SOURCE.read_bytes()
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as error:
-        return None, 0, f"cannot run {compiler}: {error}"
-    digest = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode(),
-                                        _cpu_identity().encode()])).hexdigest()[:16]
-    folder = cache_root() / "kernels"
-    target = folder / f"avx512-{digest}.so"
-    if not target.exists():
-        partial = folder / f".{target.name}.{os.getpid()}.tmp"
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True,
-                                  text=True, timeout=300)
-            if done.returncode != 0:
-                detail = (done.stderr or done.stdout).strip().splitlines()
-                return None, 0, f"compiling {SOURCE.name} failed: {detail[0] if detail else done.returncode}"
-            os.replace(partial, target)  # atomic: a concurrent process sees the whole library or none
-        except (OSError, subprocess.SubprocessError) as error:
-            return None, 0, f"building the kernels in {folder} failed: {error}"
-        finally:
-            with contextlib.suppress(OSError):
-                partial.unlink()
-    try:
-        library = ctypes.CDLL(str(target))
-    except OSError as error:
-        return None, 0, f"cannot load {target}: {error}"
+    library, reason = build_library(SOURCE, FLAGS, "avx512")
+    if library is None:
+        return None, 0, reason
     kinds = library.cats_kernels()
     pointer, size = ctypes.c_void_p, ctypes.c_long
     signatures = {"linear": [pointer] * 4 + [size] * 3 + [ctypes.c_int],

@@ -1,0 +1,179 @@
+"""A GGUF model's decoder layers streamed in the file's own quantised blocks (cats.memory.blocks): the decoder gives
+gguf-py's values bit for bit, the store keeps blocks only where they decode to the checkpoint's weights, and a model
+streamed from such a store decodes exactly as the model in memory."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cats.generate import GenerationConfig, Generator
+from cats.memory import blocks
+from cats.memory.blocks import GGUFBlocks
+from cats.memory.budget import MemoryNeeds
+from cats.memory.offload import _stored_estimate, plan_for
+from cats.memory.store import StoreError
+from cats.model import load_model
+from tests.conftest import hf_greedy, needs, tiny_model
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(blocks.unavailable() is not None, reason=f"no block decoder: {blocks.unavailable()}")
+
+TYPES = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
+         "q8_0": gguf.GGMLQuantizationType.Q8_0}
+NEEDS = MemoryNeeds(context_tokens=64, min_resident_layers=1, max_tree_tokens=17, prefetch=1)
+PROMPT = [5, 7, 9, 11, 13, 17]
+SMOLLM2 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "smollm2-135m-instruct-gguf"
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CATS_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def random_blocks(kind: str, rows: int, values: int, seed: int = 0) -> np.ndarray:
+    """Random blocks with finite float16 scales (zeros and subnormals among them), ``[rows, bytes a row]``."""
+    rng = np.random.default_rng(seed)
+    size = blocks.KINDS[kind][1]
+    raw = rng.integers(0, 256, size=(rows * values // 32, size), dtype=np.uint8)
+    scales = rng.standard_normal((raw.shape[0], 2)).astype(np.float16)
+    scales[0], scales[1, 0] = 0.0, np.float16(3e-6)  # a zero and a subnormal scale
+    heads = 4 if kind == "q4_1" else 2
+    raw[:, :heads] = scales.view(np.uint8)[:, :heads]
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", sorted(blocks.KINDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoder_gives_gguf_py_values_bit_for_bit(kind, dtype):
+    raw = random_blocks(kind, 6, 96)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, TYPES[kind]).copy()).to(dtype)
+    decoded = blocks.decode(kind, torch.from_numpy(raw.copy()), expected.shape, dtype)
+    assert torch.equal(decoded.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+def test_decoder_refuses_mismatched_sizes():
+    raw = torch.from_numpy(random_blocks("q8_0", 2, 64))
+    with pytest.raises(ValueError, match="do not decode to"):
+        blocks.decode_into("q8_0", raw.reshape(-1), torch.empty(100))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        blocks.decode_into("q8_0", raw.reshape(-1), torch.empty(128, dtype=torch.float64))
+
+
+LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+           "mlp.down_proj": "ffn_down"}
+
+
+def quantised_checkpoint(folder: Path, perturbed: str = "model.layers.0.self_attn.v_proj.weight"):
+    """A tiny float32 Llama whose linears are what quantised blocks decode to (Q4_1, Q8_0 and Q4_0 by layer),
+    saved as a checkpoint with a GGUF file holding those blocks and the ``cats-source.json`` that names it, as
+    `cats.model.load.convert_gguf` leaves it. In the checkpoint, q_proj's rows are reversed against the file's (as
+    transformers permutes Llama's q/k rows) and one value of ``perturbed`` is one unit off its blocks' value."""
+    model = tiny_model("llama", dtype=torch.float32)
+    writer = gguf.GGUFWriter(str(folder / "tiny.gguf"), "llama")
+    kinds = ["q4_1", "q8_0", "q4_0", "q4_1"]
+    with torch.no_grad():
+        for index, layer in enumerate(model.layers):
+            kind = kinds[index]
+            for name, short in LINEARS.items():
+                weight = layer.get_submodule(name).weight
+                raw = gguf.quants.quantize(weight.numpy(), TYPES[kind])
+                writer.add_tensor(f"blk.{index}.{short}.weight", raw, raw_dtype=TYPES[kind])
+                values = torch.from_numpy(gguf.quants.dequantize(raw, TYPES[kind]).copy())
+                weight.copy_(values.flip(0) if name == "self_attn.q_proj" else values)
+        value = model.hf_model.get_parameter(perturbed)
+        value.view(-1)[3] = torch.nextafter(value.view(-1)[3], torch.tensor(float("inf")))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model.hf_model.save_pretrained(folder)
+    (folder / "cats-source.json").write_text(json.dumps({"gguf": str(folder / "tiny.gguf")}))
+    return model
+
+
+def budget_of(model, folder: Path) -> int:
+    """The budget that keeps layer 0 resident and streams the rest (its blocks through the read buffer)."""
+    stored = _stored_estimate(model.hf_model, GGUFBlocks(folder / "tiny.gguf"))
+    return plan_for(model.hf_model, 1 << 40, NEEDS, stored_layers=stored).with_resident(1).planned_bytes
+
+
+def test_store_keeps_blocks_that_decode_to_the_checkpoint_and_streams_them_losslessly(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    model = quantised_checkpoint(folder)
+    loaded = load_model(folder, dtype="float32", memory_budget=budget_of(model, folder), memory_needs=NEEDS)
+    store, plan = loaded.weights.store, loaded.memory_plan
+    coded = {part: info.get("coded", {}) for part, info in store.meta["parts"].items()}
+    assert {name: info["kind"] for name, info in coded["layer-001"].items()} == {
+        f"{name}.weight": "q8_0" for name in LINEARS}
+    assert sorted(coded["layer-000"]) == sorted(f"{name}.weight" for name in LINEARS if name != "self_attn.v_proj")
+    assert not coded["embed"] and not coded["norm"]
+    for index, layer in enumerate(model.layers):  # every part decodes to the checkpoint's bits
+        for name, tensor in store.read(f"layer-{index:03d}").items():
+            assert torch.equal(tensor.view(torch.int32), layer.get_parameter(name).view(torch.int32)), name
+    assert plan.coded_layers == 3 and plan.read_buffer_bytes > 0
+    assert plan.bytes_per_pass == sum(store.stored_layer_bytes()[1:]) < sum(plan.parts.layers[1:]) / 2
+    assert "stored as the GGUF file's quantised blocks" in plan.describe()
+    assert loaded.weights.pool_bytes <= plan.pool_bytes
+    out = Generator(loaded).generate(PROMPT, GenerationConfig(max_new_tokens=12))
+    assert out.token_ids == hf_greedy(model, PROMPT, 12)
+    offload = out.stats.offload
+    assert offload["bytes_read"] < offload["layers_read"] * max(plan.parts.layers) / 3  # blocks were read
+    assert 0 < offload["decode_s"] <= offload["read_s"]
+    loaded.close()
+
+
+def test_blocks_in_bfloat16(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    model = quantised_checkpoint(folder)
+    reference = model.hf_model.to(torch.bfloat16)  # the checkpoint's float32 values rounded as torch rounds them
+    loaded = load_model(folder, dtype="bfloat16", memory_budget=budget_of(model, folder), memory_needs=NEEDS)
+    assert loaded.memory_plan.coded_layers >= 2
+    for index in loaded.memory_plan.streamed:
+        for name, tensor in loaded.weights.store.read(f"layer-{index:03d}").items():
+            expected = reference.model.layers[index].get_parameter(name)
+            assert torch.equal(tensor.view(torch.int16), expected.view(torch.int16)), name
+    loaded.close()
+
+
+def test_without_the_decoder_a_store_is_plain_and_a_store_of_blocks_is_refused(tmp_path, monkeypatch):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    model = quantised_checkpoint(folder)
+    explicit = tmp_path / "store"
+    load_model(folder, dtype="float32", memory_budget=budget_of(model, folder), memory_needs=NEEDS,
+               layer_store=explicit).close()
+    monkeypatch.setattr(blocks, "_STATE", {"library": None, "reason": "no C compiler found"})
+    assert GGUFBlocks.of_checkpoint(folder, torch.float32) is None
+    with pytest.raises(StoreError, match="keeps layers in quantised blocks, but the block decoder is unavailable "
+                                         r"\(no C compiler found\); delete .* to rebuild"):
+        load_model(folder, dtype="float32", memory_budget=budget_of(model, folder), memory_needs=NEEDS, layer_store=explicit)
+    plain = load_model(folder, dtype="float32", memory_budget=budget_of(model, folder), memory_needs=NEEDS)
+    assert plain.memory_plan.coded_layers == 0 and plain.memory_plan.read_buffer_bytes == 0
+    assert Generator(plain).generate(PROMPT, GenerationConfig(max_new_tokens=8)).token_ids == hf_greedy(model, PROMPT, 8)
+    plain.close()
+
+
+@needs(SMOLLM2)
+@pytest.mark.parametrize("method", ["ar", "tree"])
+def test_smollm2_streams_its_q4_1_blocks_and_decodes_as_in_memory(method, monkeypatch):
+    import cats
+
+    monkeypatch.delenv("CATS_CACHE")  # the converted checkpoint other tests use
+    adapters = {} if method == "ar" else {"adapters": str(Path(__file__).resolve().parents[1] / "adapters" /
+                                                          "smollm2-135m-instruct")}
+    prompt = "Name three colours of the rainbow."
+    streamed = cats.generate(str(SMOLLM2), prompt, method=method, memory_budget="50%", max_new_tokens=24, chat=True,
+                             **adapters)
+    plain = cats.generate(str(SMOLLM2), prompt, method="ar", max_new_tokens=24, chat=True)
+    assert streamed.token_ids == plain.token_ids
+    offload = streamed.stats.offload
+    per_layer = offload["bytes_read"] / offload["layers_read"]
+    assert per_layer < 2.3 * 2**20  # Q4_1 blocks and two norms, not 13.5 MiB of float32
