@@ -177,3 +177,21 @@ def test_smollm2_streams_its_q4_1_blocks_and_decodes_as_in_memory(method, monkey
     offload = streamed.stats.offload
     per_layer = offload["bytes_read"] / offload["layers_read"]
     assert per_layer < 2.3 * 2**20  # Q4_1 blocks and two norms, not 13.5 MiB of float32
+
+
+def test_the_gguf_index_is_kept_beside_the_checkpoint(tmp_path, monkeypatch):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    quantised_checkpoint(folder)
+    first = GGUFBlocks.of_checkpoint(folder, torch.float32)
+    assert (folder / "cats-blocks.json").is_file() and sorted(first.layers) == [0, 1, 2, 3]
+
+    def no_parse(path):
+        raise AssertionError("the file was parsed again")
+
+    monkeypatch.setattr(GGUFBlocks, "_index", staticmethod(no_parse))
+    assert GGUFBlocks.of_checkpoint(folder, torch.float32).layers == first.layers
+    (folder / "cats-blocks.json").write_text("{damaged")
+    with pytest.raises(AssertionError, match="parsed again"):  # a damaged index is rebuilt from the file
+        GGUFBlocks.of_checkpoint(folder, torch.float32)
+    assert GGUFBlocks.of_checkpoint(folder, torch.float64) is None  # blocks decode to float32 and bfloat16 only

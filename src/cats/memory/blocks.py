@@ -102,20 +102,29 @@ class GGUFBlocks:
     """The decodable quantised tensors of a GGUF file, by decoder layer, read on demand with ``pread`` (the file is
     never mapped while the store is made, so memory stays at one tensor)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, layers: dict[int, list[tuple]] | None = None):
+        self.path = Path(path)
+        # layer -> [(tensor name, kind, rows, file offset, bytes)]
+        self.layers: dict[int, list[tuple[str, str, int, int, int]]] = (
+            self._index(self.path) if layers is None else {int(k): [tuple(t) for t in v] for k, v in layers.items()})
+
+    @staticmethod
+    def _index(path: Path) -> dict[int, list[tuple[str, str, int, int, int]]]:
+        """The decodable tensors of the file's decoder layers (gguf-py's reader: seconds for a file with a large
+        vocabulary in its metadata, hence `of_checkpoint` keeps the result)."""
         import gguf
 
-        self.path = Path(path)
-        reader = gguf.GGUFReader(str(self.path))
-        self.layers: dict[int, list[tuple[str, str, int, int, int]]] = {}  # layer -> (name, kind, rows, offset, bytes)
+        reader = gguf.GGUFReader(str(path))
+        layers: dict[int, list[tuple[str, str, int, int, int]]] = {}
         for tensor in reader.tensors:
             kind, parts = gguf_kind(tensor.tensor_type), tensor.name.split(".")
             if kind is None or len(parts) < 3 or parts[0] != "blk" or not parts[1].isdigit():
                 continue
             rows = int(tensor.data.shape[0])  # quantised data is [rows, bytes a row]
-            self.layers.setdefault(int(parts[1]), []).append(
+            layers.setdefault(int(parts[1]), []).append(
                 (tensor.name, kind, rows, int(tensor.data_offset), int(tensor.n_bytes)))
         del reader  # unmaps the file
+        return layers
 
     @classmethod
     def of_checkpoint(cls, folder: Path, dtype: torch.dtype) -> "GGUFBlocks | None":
@@ -128,9 +137,26 @@ class GGUFBlocks:
             return None
         try:
             path = Path(json.loads(record.read_text())["gguf"])
-            return cls(path) if path.is_file() else None
         except (OSError, ValueError, KeyError, TypeError):
             return None
+        if not path.is_file():
+            return None
+        key = cls(path, {}).record()
+        index = Path(folder) / "cats-blocks.json"  # the file's tensor index, kept beside the checkpoint
+        try:
+            kept = json.loads(index.read_text())
+            if kept["file"] == key:
+                return cls(path, kept["layers"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # none yet, or damaged: index the file again
+        blocks = cls(path)
+        partial = index.with_name(f".{index.name}.{os.getpid()}")
+        try:
+            partial.write_text(json.dumps({"file": key, "layers": blocks.layers}))
+            os.replace(partial, index)
+        except OSError:  # a read-only checkpoint folder: index it again next time
+            partial.unlink(missing_ok=True)
+        return blocks
 
     def record(self) -> dict:
         """What keys a store made with these blocks (the file's name, size and modification time)."""
