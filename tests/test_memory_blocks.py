@@ -21,8 +21,9 @@ from tests.conftest import hf_greedy, needs, tiny_model
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(blocks.unavailable() is not None, reason=f"no block decoder: {blocks.unavailable()}")
 
-TYPES = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
-         "q8_0": gguf.GGMLQuantizationType.Q8_0}
+TYPES = {kind: gguf.GGMLQuantizationType[kind.upper()] for kind in blocks.KINDS}
+HALVES = {"q4_0": (0,), "q8_0": (0,), "q5_0": (0,), "q4_1": (0, 2), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2),
+          "q6_k": (208,)}  # byte offsets of each block's float16 scales
 NEEDS = MemoryNeeds(context_tokens=64, min_resident_layers=1, max_tree_tokens=17, prefetch=1)
 PROMPT = [5, 7, 9, 11, 13, 17]
 SMOLLM2 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "smollm2-135m-instruct-gguf"
@@ -37,19 +38,19 @@ def cache(tmp_path, monkeypatch):
 def random_blocks(kind: str, rows: int, values: int, seed: int = 0) -> np.ndarray:
     """Random blocks with finite float16 scales (zeros and subnormals among them), ``[rows, bytes a row]``."""
     rng = np.random.default_rng(seed)
-    size = blocks.KINDS[kind][1]
-    raw = rng.integers(0, 256, size=(rows * values // 32, size), dtype=np.uint8)
-    scales = rng.standard_normal((raw.shape[0], 2)).astype(np.float16)
-    scales[0], scales[1, 0] = 0.0, np.float16(3e-6)  # a zero and a subnormal scale
-    heads = 4 if kind == "q4_1" else 2
-    raw[:, :heads] = scales.view(np.uint8)[:, :heads]
+    _, size, per_block = blocks.KINDS[kind]
+    raw = rng.integers(0, 256, size=(rows * values // per_block, size), dtype=np.uint8)
+    for offset in HALVES[kind]:
+        scales = rng.standard_normal(raw.shape[0]).astype(np.float16)
+        scales[0], scales[1] = 0.0, np.float16(3e-6)  # a zero and a subnormal scale
+        raw[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
     return raw.reshape(rows, -1)
 
 
 @pytest.mark.parametrize("kind", sorted(blocks.KINDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decoder_gives_gguf_py_values_bit_for_bit(kind, dtype):
-    raw = random_blocks(kind, 6, 96)
+    raw = random_blocks(kind, 6, 512)
     expected = torch.from_numpy(gguf.quants.dequantize(raw, TYPES[kind]).copy()).to(dtype)
     decoded = blocks.decode(kind, torch.from_numpy(raw.copy()), expected.shape, dtype)
     assert torch.equal(decoded.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),

@@ -7,8 +7,9 @@ is made, `cats.memory.store`), and the layer reader decodes each layer into its 
 (``blocks.c``, called from the reader thread). A memory budget then reads 3-6x fewer bytes per pass for the same
 weights and the same outputs.
 
-Kinds: ``q4_0`` (18 bytes a block), ``q4_1`` (20), ``q8_0`` (34); 32 values a block. Values are computed as gguf-py
-computes them (float32, no fused multiply-add), then rounded to bfloat16 (nearest even) for a bfloat16 model. The
+Kinds: ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``, ``q8_0`` (32 values a block) and the k-quants ``q4_k``, ``q5_k``,
+``q6_k`` (256). Values are computed as gguf-py computes them (float32, no fused multiply-add), then rounded to
+bfloat16 (nearest even) for a bfloat16 model. The
 decoder is built with the system C compiler on first use (`cats.model.native`); without one, `unavailable` says
 why and stores keep plain weights.
 """
@@ -26,8 +27,9 @@ import torch
 from cats.memory.budget import numel
 
 SOURCE = Path(__file__).with_suffix(".c")
-KINDS = {"q4_0": (0, 18), "q4_1": (1, 20), "q8_0": (2, 34)}  # kind: (code in blocks.c, bytes a block)
-BLOCK_VALUES = 32
+KINDS = {"q4_0": (0, 18, 32), "q4_1": (1, 20, 32), "q8_0": (2, 34, 32), "q5_0": (3, 22, 32), "q5_1": (4, 24, 32),
+         "q4_k": (5, 144, 256), "q5_k": (6, 176, 256), "q6_k": (7, 210, 256)}  # kind: (code in blocks.c, bytes and
+# values a block)
 TARGETS = (torch.float32, torch.bfloat16)
 
 _LOCK = threading.Lock()
@@ -65,11 +67,10 @@ def gguf_kind(tensor_type) -> str | None:
     return name if name in KINDS else None
 
 
-def coded_bytes(kind: str, values: int) -> int:
-    """Bytes of ``values`` values in blocks of ``kind``."""
-    if values % BLOCK_VALUES:
-        raise ValueError(f"{values} values are not whole {kind} blocks of {BLOCK_VALUES}")
-    return values // BLOCK_VALUES * KINDS[kind][1]
+def coded_bytes(kind: str, values: int) -> int | None:
+    """Bytes of ``values`` values in blocks of ``kind``; None when they are not whole blocks."""
+    _, size, per_block = KINDS[kind]
+    return None if values % per_block else values // per_block * size
 
 
 def decode_into(kind: str, source: torch.Tensor, target: torch.Tensor) -> None:
@@ -78,13 +79,13 @@ def decode_into(kind: str, source: torch.Tensor, target: torch.Tensor) -> None:
     library, reason = _library()
     if library is None:
         raise RuntimeError(f"the block decoder is unavailable: {reason}")
-    code, size = KINDS[kind]
+    code, size, per_block = KINDS[kind]
     if source.dtype != torch.uint8 or not source.is_contiguous() or not target.is_contiguous():
         raise ValueError("decode_into needs contiguous uint8 blocks and a contiguous target")
     if target.dtype not in TARGETS:
         raise ValueError(f"blocks decode to float32 or bfloat16, not {target.dtype}")
     blocks = source.numel() // size
-    if blocks * size != source.numel() or blocks * BLOCK_VALUES != target.numel():
+    if blocks * size != source.numel() or blocks * per_block != target.numel():
         raise ValueError(f"{source.numel()} bytes of {kind} blocks do not decode to {target.numel()} values")
     if library.cats_decode_blocks(code, source.data_ptr(), blocks, target.data_ptr(),
                                   int(target.dtype == torch.bfloat16)) != 0:
@@ -170,7 +171,7 @@ class GGUFBlocks:
         for shape in shapes.values():
             count = numel(shape)
             match = next((t for t in free if len(shape) == 2 and t[2] == shape[0]
-                          and t[4] == coded_bytes(t[1], count)), None) if count % BLOCK_VALUES == 0 else None
+                          and t[4] == coded_bytes(t[1], count)), None)
             if match is not None:
                 free.remove(match)
             total += match[4] if match is not None else count * itemsize
@@ -186,7 +187,7 @@ class GGUFBlocks:
         fd = os.open(self.path, os.O_RDONLY)
         try:
             for name, weight in tensors.items():
-                if weight.dim() != 2 or weight.dtype not in TARGETS or weight.numel() % BLOCK_VALUES:
+                if weight.dim() != 2 or weight.dtype not in TARGETS:
                     continue
                 for entry in self.layers.get(layer, []):
                     tensor_name, kind, rows, offset, size = entry
