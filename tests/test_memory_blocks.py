@@ -131,17 +131,19 @@ def test_store_keeps_blocks_that_decode_to_the_checkpoint_and_streams_them_lossl
 
 
 def test_blocks_in_bfloat16(tmp_path):
+    from cats.memory.offload import build_skeleton, checkpoint_store
+
     folder = tmp_path / "model"
     folder.mkdir()
     model = quantised_checkpoint(folder)
     reference = model.hf_model.to(torch.bfloat16)  # the checkpoint's float32 values rounded as torch rounds them
-    loaded = load_model(folder, dtype="bfloat16", memory_budget=budget_of(model, folder), memory_needs=NEEDS)
-    assert loaded.memory_plan.coded_layers >= 2
-    for index in loaded.memory_plan.streamed:
-        for name, tensor in loaded.weights.store.read(f"layer-{index:03d}").items():
-            expected = reference.model.layers[index].get_parameter(name)
-            assert torch.equal(tensor.view(torch.int16), expected.view(torch.int16)), name
-    loaded.close()
+    store = checkpoint_store(folder, build_skeleton(reference.config, torch.bfloat16), torch.bfloat16,
+                             blocks=GGUFBlocks.of_checkpoint(folder, torch.bfloat16))
+    assert all(store.meta["parts"][f"layer-{i:03d}"].get("coded") for i in range(4))
+    for index, layer in enumerate(reference.model.layers):
+        for name, tensor in store.read(f"layer-{index:03d}").items():
+            assert tensor.dtype == torch.bfloat16
+            assert torch.equal(tensor.view(torch.int16), layer.get_parameter(name).view(torch.int16)), name
 
 
 def test_without_the_decoder_a_store_is_plain_and_a_store_of_blocks_is_refused(tmp_path, monkeypatch):
@@ -196,3 +198,20 @@ def test_the_gguf_index_is_kept_beside_the_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(AssertionError, match="parsed again"):  # a damaged index is rebuilt from the file
         GGUFBlocks.of_checkpoint(folder, torch.float32)
     assert GGUFBlocks.of_checkpoint(folder, torch.float64) is None  # blocks decode to float32 and bfloat16 only
+
+
+def test_block_reads_ahead_survive_passes_out_of_order(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    model = quantised_checkpoint(folder)
+    loaded = load_model(folder, dtype="float32", memory_budget=budget_of(model, folder), memory_needs=NEEDS)
+    assert loaded.memory_plan.streamed == range(1, 4) and loaded.memory_plan.coded_layers == 3
+    hidden = torch.randn(1, 5, 64)
+    expected = model.forward_layers(hidden, 0, 4, model.new_cache())
+    for stop in (2, 3, 1, 2):  # a pass abandoned at layer `stop`: the blocks read ahead for the next are dropped
+        loaded.forward_layers(hidden, 0, stop, loaded.new_cache())
+        assert torch.equal(loaded.forward_layers(hidden, 0, 4, loaded.new_cache()), expected)
+    counters = loaded.weights.snapshot()
+    assert counters.out_of_order >= 2 and counters.decode_s > 0
+    loaded.close()
+    assert loaded.weights.block_reader._shutdown

@@ -204,10 +204,10 @@ class MemoryPlan:
 
     @property
     def read_buffer_bytes(self) -> int:
-        """The reader's buffer for streamed layers stored as quantised blocks (read there, decoded into a stream
-        buffer); 0 when none is."""
+        """The reader's two buffers for streamed layers stored as quantised blocks (read there, decoded into a
+        stream buffer; one is read while the other decodes); 0 when none is."""
         coded = [self.parts.stored(i) for i in self.streamed if self.parts.stored(i) < self.parts.layers[i]]
-        return round_up(max(coded)) if coded else 0
+        return 2 * round_up(max(coded)) if coded else 0
 
     @property
     def pool_bytes(self) -> int:
@@ -251,7 +251,8 @@ class MemoryPlan:
             rows.append((f"stream buffers ({self.pool_slots} x {mib(self.slot_bytes)})",
                          self.pool_slots * self.slot_bytes))
         if self.read_buffer_bytes:
-            rows.append(("read buffer (quantised blocks)", self.read_buffer_bytes))
+            rows.append((f"read buffers (2 x {mib(self.read_buffer_bytes // 2)}, quantised blocks)",
+                         self.read_buffer_bytes))
         return rows
 
     def describe(self) -> str:

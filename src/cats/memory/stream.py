@@ -18,8 +18,9 @@ Reads and the page cache (memory counted is memory used):
   competes with compute for the CPU.
 
 Both release the GIL for the whole read, so compute and I/O overlap. A layer the store keeps as quantised blocks
-(`cats.memory.blocks`) is read into one extra buffer of the reader's and decoded from there into its stream buffer,
-in the reader thread (the decoder releases the GIL too). Counters (`StreamCounters`): bytes and layers read, read
+(`cats.memory.blocks`) is read into one of two extra buffers and decoded from there into its stream buffer by the
+reader thread (the decoder releases the GIL too); while it decodes, a second thread reads the next block layer into
+the other buffer, so reading and decoding overlap. Counters (`StreamCounters`): bytes and layers read, read
 time (the reader loading layers: inside ``preadv``, plus decoding), decode time (its share spent decoding), stall
 time (compute waiting in ``acquire``), and the fraction of the reader's time hidden behind compute,
 ``1 - stall / read``.
@@ -32,6 +33,7 @@ import mmap
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
@@ -100,7 +102,10 @@ class LayerStreamer:
         slot_bytes = max(slot_bytes, round_up(max(layout.data_bytes for layout in self.layouts.values())))
         self.slots = [_Slot(slot_bytes) for _ in range(slots)]
         coded = [self.headers[i].data_bytes for i, layout in self.layouts.items() if isinstance(layout, DecodedPart)]
-        self.read_buffer = _Slot(round_up(max(coded))) if coded else None  # quantised layers are read here first
+        # quantised layers are read into one of two buffers, by a second thread, while the one before decodes
+        self.read_buffers = [_Slot(round_up(max(coded))) for _ in range(2)] if coded else []
+        self.block_reader = ThreadPoolExecutor(1, thread_name_prefix="cats-block-reader") if coded else None
+        self.pending: tuple | None = None  # (layer, future of its read, read buffer): the blocks read ahead
         # per streamed layer: (module, attribute) for each parameter name, and the meta placeholders
         self.bindings: dict[int, list[tuple[torch.nn.Module, str, str]]] = {}
         self.placeholders: dict[int, list[torch.nn.Parameter]] = {}
@@ -206,9 +211,10 @@ class LayerStreamer:
                 start = time.perf_counter()
                 layout = self.layouts[layer]
                 if isinstance(layout, DecodedPart):
-                    self._read(layer, self.read_buffer)
+                    raw = self._blocks_of(layer)
+                    self._read_blocks_ahead(layer + 1 if layer + 1 < self.num_layers else self.first, raw)
                     decode_start = time.perf_counter()
-                    layout.decode(self.read_buffer.buffer, slot.buffer)
+                    layout.decode(raw.buffer, slot.buffer)
                     decoded = time.perf_counter() - decode_start
                 else:
                     self._read(layer, slot)
@@ -230,6 +236,27 @@ class LayerStreamer:
                 else:
                     slot.state, slot.layer = FREE, None
                 self.condition.notify_all()
+
+    def _blocks_of(self, layer: int) -> _Slot:
+        """The read buffer holding ``layer``'s blocks: the read started while the layer before decoded (waited
+        for), or a read now. A read ahead for another layer (the order restarted) is dropped."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            ahead, future, raw = pending
+            future.result()  # a failed read raises here
+            if ahead == layer:
+                return raw
+            with self.condition:
+                self.counters.bytes_read += self.headers[ahead].data_bytes  # read, not used
+        raw = self.read_buffers[0]
+        self._read(layer, raw)
+        return raw
+
+    def _read_blocks_ahead(self, layer: int, busy: _Slot) -> None:
+        """Start reading ``layer``'s blocks into the other read buffer (while ``busy``'s are decoded)."""
+        if isinstance(self.layouts.get(layer), DecodedPart):
+            raw = self.read_buffers[1] if busy is self.read_buffers[0] else self.read_buffers[0]
+            self.pending = (layer, self.block_reader.submit(self._read, layer, raw), raw)
 
     def _free_slot(self) -> _Slot | None:
         return next((slot for slot in self.slots if slot.state == FREE), None)
@@ -292,6 +319,8 @@ class LayerStreamer:
             self.condition.notify_all()
         if self.thread.ident:
             self.thread.join()
+        if self.block_reader is not None:
+            self.block_reader.shutdown(wait=True)
 
     def store_files(self) -> list:
         """The streamed layers' files (to ask the kernel how much of them it caches)."""
@@ -299,4 +328,4 @@ class LayerStreamer:
 
     @property
     def pool_bytes(self) -> int:
-        return sum(len(slot.memory) for slot in self.slots) + (len(self.read_buffer.memory) if self.read_buffer else 0)
+        return sum(len(slot.memory) for slot in self.slots + self.read_buffers)
