@@ -215,3 +215,23 @@ def test_block_reads_ahead_survive_passes_out_of_order(tmp_path):
     assert counters.out_of_order >= 2 and counters.decode_s > 0
     loaded.close()
     assert loaded.weights.block_reader._shutdown
+
+
+def test_a_tight_budget_reads_blocks_through_one_buffer(tmp_path):
+    import dataclasses
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    model = quantised_checkpoint(folder)
+    stored = _stored_estimate(model.hf_model, GGUFBlocks(folder / "tiny.gguf"))
+    floor = dataclasses.replace(NEEDS, min_resident_layers=1)
+    two = plan_for(model.hf_model, 1 << 40, floor, stored_layers=stored).with_resident(1)
+    one = dataclasses.replace(two, read_buffers=1)
+    assert two.read_buffers == 2 and one.planned_bytes == two.planned_bytes - two.read_buffer_bytes // 2
+    loaded = load_model(folder, dtype="float32", memory_budget=one.planned_bytes, memory_needs=floor)
+    assert loaded.memory_plan.read_buffers == 1 and loaded.memory_plan.resident_layers == 1
+    assert "block read buffers (1 x" in loaded.memory_plan.describe()
+    assert loaded.weights.block_reader is None and len(loaded.weights.read_buffers) == 1
+    out = Generator(loaded).generate(PROMPT, GenerationConfig(max_new_tokens=12))
+    assert out.token_ids == hf_greedy(model, PROMPT, 12)
+    loaded.close()

@@ -189,6 +189,7 @@ class MemoryPlan:
     pool_slots: int  # stream buffers (0 when nothing streams)
     slot_bytes: int  # bytes of one stream buffer (the largest streamed layer, aligned)
     minimum: int  # the smallest budget that holds the resident minimum with this many stream buffers
+    read_buffers: int = 2  # buffers for reading quantised blocks (2: the next layer is read while one decodes)
 
     @property
     def num_layers(self) -> int:
@@ -204,10 +205,10 @@ class MemoryPlan:
 
     @property
     def read_buffer_bytes(self) -> int:
-        """The reader's two buffers for streamed layers stored as quantised blocks (read there, decoded into a
-        stream buffer; one is read while the other decodes); 0 when none is."""
+        """The reader's buffers for streamed layers stored as quantised blocks (read there, decoded into a stream
+        buffer; with two, one is read while the other decodes); 0 when none is."""
         coded = [self.parts.stored(i) for i in self.streamed if self.parts.stored(i) < self.parts.layers[i]]
-        return 2 * round_up(max(coded)) if coded else 0
+        return self.read_buffers * round_up(max(coded)) if coded else 0
 
     @property
     def pool_bytes(self) -> int:
@@ -235,7 +236,7 @@ class MemoryPlan:
         slots = min(self.needs.prefetch + 1, len(streamed))
         slot_bytes = round_up(max(streamed)) if streamed else 0
         return MemoryPlan(self.budget, self.parts, self.needs, self.kv_bytes, self.activation_bytes, resident, slots,
-                          slot_bytes, self.minimum)
+                          slot_bytes, self.minimum, self.read_buffers)
 
     def rows(self) -> list[tuple[str, int]]:
         parts = self.parts
@@ -251,8 +252,8 @@ class MemoryPlan:
             rows.append((f"stream buffers ({self.pool_slots} x {mib(self.slot_bytes)})",
                          self.pool_slots * self.slot_bytes))
         if self.read_buffer_bytes:
-            rows.append((f"read buffers (2 x {mib(self.read_buffer_bytes // 2)}, quantised blocks)",
-                         self.read_buffer_bytes))
+            rows.append((f"block read buffers ({self.read_buffers} x "
+                         f"{mib(self.read_buffer_bytes // self.read_buffers)})", self.read_buffer_bytes))
         return rows
 
     def describe(self) -> str:
@@ -289,20 +290,18 @@ class MemoryPlan:
 
 def plan_memory(budget: int, parts: PartSizes, needs: MemoryNeeds, kv_bytes: int, activation: int) -> MemoryPlan:
     """Keep as many layers resident (bottom up) as the budget allows; stream the rest through ``prefetch + 1``
-    buffers. Raises `BudgetTooSmallError` naming the minimum when even ``[0, min_resident_layers)`` does not fit."""
+    buffers. Raises `BudgetTooSmallError` naming the minimum when even ``[0, min_resident_layers)`` does not fit.
+    Layers stored as quantised blocks are read through two buffers (one read ahead while the other decodes), or
+    through one when the budget cannot hold the minimum with two."""
     num_layers = len(parts.layers)
     needs.validate(num_layers)
-
-    base = MemoryPlan(budget, parts, needs, kv_bytes, activation, num_layers, 0, 0, 0)
-
-    def cost(resident: int) -> int:
-        return base.with_resident(resident).planned_bytes
-
     floor = needs.min_resident_layers
-    base.minimum = min(cost(resident) for resident in range(floor, num_layers + 1))
-    for resident in range(num_layers, floor - 1, -1):
-        if cost(resident) <= budget:
-            return base.with_resident(resident)
+    for read_buffers in (2, 1):
+        base = MemoryPlan(budget, parts, needs, kv_bytes, activation, num_layers, 0, 0, 0, read_buffers)
+        base.minimum = min(base.with_resident(resident).planned_bytes for resident in range(floor, num_layers + 1))
+        for resident in range(num_layers, floor - 1, -1):
+            if base.with_resident(resident).planned_bytes <= budget:
+                return base.with_resident(resident)
     lowest, minimum = base.with_resident(floor), base.minimum
     detail = ", ".join(f"{name} {mib(size)}" for name, size in lowest.rows() if size)
     raise BudgetTooSmallError(

@@ -88,7 +88,7 @@ def _start_streaming(hf_model, store: LayerStore, plan: MemoryPlan, io: str) -> 
     if not plan.streamed:
         return None
     return LayerStreamer(hf_model.model.layers, plan.num_layers, store, plan.resident_layers, plan.pool_slots,
-                         plan.slot_bytes, io=io)
+                         plan.slot_bytes, io=io, read_buffers=plan.read_buffers)
 
 
 def build_skeleton(config, dtype: torch.dtype, attn_implementation: str = "sdpa"):

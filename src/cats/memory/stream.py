@@ -91,7 +91,7 @@ class LayerStreamer:
     calls ``acquire``/``release`` around each layer; for resident layers they return at once."""
 
     def __init__(self, layers, num_layers: int, store: LayerStore, first: int, slots: int, slot_bytes: int,
-                 io: str = "direct"):
+                 io: str = "direct", read_buffers: int = 2):
         if io not in IO_MODES:
             raise InvalidArgumentError(f"offload I/O mode must be one of {', '.join(IO_MODES)}, got {io!r}")
         if not 0 <= first < num_layers or slots < 1:
@@ -103,8 +103,9 @@ class LayerStreamer:
         self.slots = [_Slot(slot_bytes) for _ in range(slots)]
         coded = [self.headers[i].data_bytes for i, layout in self.layouts.items() if isinstance(layout, DecodedPart)]
         # quantised layers are read into one of two buffers, by a second thread, while the one before decodes
-        self.read_buffers = [_Slot(round_up(max(coded))) for _ in range(2)] if coded else []
-        self.block_reader = ThreadPoolExecutor(1, thread_name_prefix="cats-block-reader") if coded else None
+        self.read_buffers = [_Slot(round_up(max(coded))) for _ in range(read_buffers)] if coded else []
+        self.block_reader = (ThreadPoolExecutor(1, thread_name_prefix="cats-block-reader")
+                             if len(self.read_buffers) > 1 else None)
         self.pending: tuple | None = None  # (layer, future of its read, read buffer): the blocks read ahead
         # per streamed layer: (module, attribute) for each parameter name, and the meta placeholders
         self.bindings: dict[int, list[tuple[torch.nn.Module, str, str]]] = {}
@@ -253,8 +254,9 @@ class LayerStreamer:
         return raw
 
     def _read_blocks_ahead(self, layer: int, busy: _Slot) -> None:
-        """Start reading ``layer``'s blocks into the other read buffer (while ``busy``'s are decoded)."""
-        if isinstance(self.layouts.get(layer), DecodedPart):
+        """Start reading ``layer``'s blocks into the other read buffer (while ``busy``'s are decoded), when there are
+        two."""
+        if self.block_reader is not None and isinstance(self.layouts.get(layer), DecodedPart):
             raw = self.read_buffers[1] if busy is self.read_buffers[0] else self.read_buffers[0]
             self.pending = (layer, self.block_reader.submit(self._read, layer, raw), raw)
 
