@@ -52,15 +52,17 @@ def answer(question_id, offload=None):
     return {"question_id": question_id, "category": "c", "choices": [choice], "error": None}
 
 
-def turn(read_s, stall_s):
-    return {"bytes_read": 100, "layers_read": 4, "read_s": read_s, "stall_s": stall_s, "stalls": 1, "acquires": 4,
-            "out_of_order": 0, "streamed_layers": [2, 6], "io": "direct"}
+def turn(read_s, stall_s, decode_s=None):
+    counts = {"bytes_read": 100, "layers_read": 4, "read_s": read_s, "stall_s": stall_s, "stalls": 1, "acquires": 4,
+              "out_of_order": 0, "streamed_layers": [2, 6], "io": "direct"}
+    return counts if decode_s is None else {**counts, "decode_s": decode_s}  # answers before block stores lack it
 
 
 def test_offload_totals_and_the_budget_bound():
-    answers = [answer(1, [turn(1.0, 0.25)]), answer(2, [turn(3.0, 0.25)])]
+    answers = [answer(1, [turn(1.0, 0.25)]), answer(2, [turn(3.0, 0.25, decode_s=1.5)])]
     totals = offload_totals(answers)
     assert totals["bytes_read"] == 200 and totals["read_s"] == 4.0 and totals["stall_s"] == 0.5
+    assert totals["decode_s"] == 1.5
     assert totals["hidden_fraction"] == 0.875 and totals["streamed_layers"] == [2, 6]
     assert offload_totals([answer(1)]) is None
     assert within_budget(500.0, 100.0, 400.0) and not within_budget(511.0, 100.0, 400.0)
@@ -73,7 +75,7 @@ def test_offload_totals_and_the_budget_bound():
     assert entry["within_budget"] is True and entry["offload"]["hidden_fraction"] == 0.875
     assert entry["memory"]["storage_read_mb"] == 1.0
     report = render_report(summary)
-    assert "## Memory and streaming" in report and "| ar | 505 | True | [2, 6) |" in report
+    assert "## Memory and streaming" in report and "| ar | 505 | True | [2, 6) | 0 | 4.0 | 1.5 | 0.5 | 88% |" in report
     assert "memory budget: 50% = 100.0 MiB; runtime baseline 400.0 MiB" in report
 
 

@@ -78,8 +78,8 @@ def render_report(summary: dict, requested_methods: list[str] | None = None) -> 
         )
     if summary.get("memory_budget") or any(m.get("offload") for m in methods.values()):
         lines += ["", "## Memory and streaming", "",
-                  "| method | peak RSS MB | within budget | streamed layers | read MB | read s | stall s | hidden "
-                  "| storage read MB | page cache MB |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| method | peak RSS MB | within budget | streamed layers | read MB | read s | of it decoding s "
+                  "| stall s | hidden | storage read MB | page cache MB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, m in methods.items():
             offload, measured = m.get("offload") or {}, m.get("memory") or {}
             layers = offload.get("streamed_layers")
@@ -87,7 +87,8 @@ def render_report(summary: dict, requested_methods: list[str] | None = None) -> 
                 f"| {name} | {_cell(m['peak_rss_mb'], 0)} | {_cell(m.get('within_budget'))} "
                 f"| {f'[{layers[0]}, {layers[1]})' if layers else '–'} "
                 f"| {_cell(offload['bytes_read'] / 2**20, 0) if offload else '–'} | {_cell(offload.get('read_s'), 1)} "
-                f"| {_cell(offload.get('stall_s'), 1)} | {_percent(offload.get('hidden_fraction'))} "
+                f"| {_cell(offload.get('decode_s'), 1)} | {_cell(offload.get('stall_s'), 1)} "
+                f"| {_percent(offload.get('hidden_fraction'))} "
                 f"| {_cell(measured.get('storage_read_mb'), 0)} | {_cell(measured.get('page_cache_mb'), 1)} |")
     categories = list(dict.fromkeys(cat for m in methods.values() for cat in m["per_category"]))
     for category in categories:
