@@ -235,3 +235,19 @@ def test_a_tight_budget_reads_blocks_through_one_buffer(tmp_path):
     out = Generator(loaded).generate(PROMPT, GenerationConfig(max_new_tokens=12))
     assert out.token_ids == hf_greedy(model, PROMPT, 12)
     loaded.close()
+
+
+def test_a_streamed_tensor_that_stays_plain_is_planned_with_its_real_size(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    model = quantised_checkpoint(folder, perturbed="model.layers.2.self_attn.v_proj.weight")
+    estimate = _stored_estimate(model.hf_model, GGUFBlocks(folder / "tiny.gguf"))
+    loaded = load_model(folder, dtype="float32", memory_budget=budget_of(model, folder), memory_needs=NEEDS)
+    plan, store = loaded.memory_plan, loaded.weights.store
+    assert "self_attn.v_proj.weight" not in store.meta["parts"]["layer-002"]["coded"]
+    assert store.stored_layer_bytes()[2] > estimate[2]  # the estimate counted its blocks
+    assert plan.parts.stored_layers == store.stored_layer_bytes()  # planned again with what the store holds
+    assert plan.bytes_per_pass == sum(store.stored_layer_bytes()[plan.resident_layers:])
+    assert loaded.weights.pool_bytes <= plan.pool_bytes and plan.planned_bytes <= plan.budget
+    assert Generator(loaded).generate(PROMPT, GenerationConfig(max_new_tokens=8)).token_ids == hf_greedy(model, PROMPT, 8)
+    loaded.close()

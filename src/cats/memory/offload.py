@@ -117,8 +117,9 @@ def load_under_budget(folder: str | Path, config, dtype: torch.dtype, budget: st
     blocks = GGUFBlocks.of_checkpoint(folder, dtype)
     plan = plan_for(hf_model, budget, needs, stored_layers=_stored_estimate(hf_model, blocks))
     store = checkpoint_store(folder, hf_model, dtype, layer_store, blocks)
-    plan.parts.stored_layers = store.stored_layer_bytes()  # what it holds: a tensor whose blocks did not decode
-    # to the checkpoint's bits is plain, so only the read buffer's share of the plan can shrink
+    stored = store.stored_layer_bytes()
+    if stored != (plan.parts.stored_layers or plan.parts.layers):  # a tensor whose blocks did not decode to the
+        plan = plan_for(hf_model, budget, needs, stored_layers=stored)  # checkpoint's bits is plain: plan again
     modules = part_modules(hf_model)
     resident = ["embed", "norm", *(["lm_head"] if "lm_head" in modules else []),
                 *(f"layer-{i:03d}" for i in range(plan.resident_layers))]
