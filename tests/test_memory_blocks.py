@@ -251,3 +251,14 @@ def test_a_streamed_tensor_that_stays_plain_is_planned_with_its_real_size(tmp_pa
     assert loaded.weights.pool_bytes <= plan.pool_bytes and plan.planned_bytes <= plan.budget
     assert Generator(loaded).generate(PROMPT, GenerationConfig(max_new_tokens=8)).token_ids == hf_greedy(model, PROMPT, 8)
     loaded.close()
+
+
+def test_a_decoded_layer_takes_the_bytes_of_the_plain_layer(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    model = quantised_checkpoint(folder)
+    loaded = load_model(folder, dtype="float32", memory_budget=budget_of(model, folder), memory_needs=NEEDS)
+    for i in loaded.memory_plan.streamed:  # a stream buffer the plan sized for the plain layer holds it decoded
+        assert loaded.weights.layouts[i].data_bytes == loaded.memory_plan.parts.layers[i]
+    assert all(len(slot.memory) == loaded.memory_plan.slot_bytes for slot in loaded.weights.slots)
+    loaded.close()

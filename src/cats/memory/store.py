@@ -101,11 +101,11 @@ class DecodedPart:
         for name, entry in header.entries.items():
             info = coded.get(name)
             specs[name] = (SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"])) if info else (entry.dtype, entry.shape)
-        entries, offset = {}, 0
+        entries, offset = {}, 0  # as `write_part` lays out a plain part: the same bytes as the plain layer
         for name, (dtype, shape) in sorted(specs.items(), key=lambda item: (-item[1][0].itemsize, item[0])):
             size = dtype.itemsize * numel(shape)
             entries[name] = TensorEntry(dtype, shape, offset, offset + size)
-            offset = round_up(offset + size, 64)
+            offset += size
         return cls(header, {name: info["kind"] for name, info in coded.items()}, entries, offset)
 
     @property
