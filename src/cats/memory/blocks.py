@@ -142,7 +142,7 @@ class GGUFBlocks:
             return None
         if not path.is_file():
             return None
-        key = cls(path, {}).record()
+        key = _file_record(path)
         index = Path(folder) / "cats-blocks.json"  # the file's tensor index, kept beside the checkpoint
         try:
             kept = json.loads(index.read_text())
@@ -161,17 +161,17 @@ class GGUFBlocks:
 
     def record(self) -> dict:
         """What keys a store made with these blocks (the file's name, size and modification time)."""
-        stat = self.path.stat()
-        return {"gguf": str(self.path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        return _file_record(self.path)
 
     def layer_bytes(self, layer: int, shapes: dict[str, tuple[int, ...]], itemsize: int) -> int:
-        """An upper estimate of what decoder layer ``layer`` occupies in a store: a parameter with a decodable
-        tensor of its shape in the file takes that tensor's bytes, every other its plain bytes."""
+        """What decoder layer ``layer`` occupies in a store when every candidate decodes exactly: a parameter with a
+        decodable tensor of its shape in the file takes that tensor's bytes, every other its plain bytes (a tensor
+        whose blocks turn out not to decode to the checkpoint's bits is stored plain, larger: the load then plans
+        again)."""
         total, free = 0, list(self.layers.get(layer, []))
         for shape in shapes.values():
             count = numel(shape)
-            match = next((t for t in free if len(shape) == 2 and t[2] == shape[0]
-                          and t[4] == coded_bytes(t[1], count)), None)
+            match = next((t for t in free if _fits(t, shape)), None)
             if match is not None:
                 free.remove(match)
             total += match[4] if match is not None else count * itemsize
@@ -191,24 +191,36 @@ class GGUFBlocks:
                     continue
                 for entry in self.layers.get(layer, []):
                     tensor_name, kind, rows, offset, size = entry
-                    if tensor_name in taken or rows != weight.shape[0] or size != coded_bytes(kind, weight.numel()):
+                    if tensor_name in taken or not _fits(entry, tuple(weight.shape)):
                         continue
                     raw = torch.empty(size, dtype=torch.uint8)
                     pread_exact(fd, memoryview(raw.numpy()), offset, size, self.path)
-                    raw = raw.view(rows, size // rows)
+                    raw = raw.view(rows, size // rows)  # every row is whole blocks: rows decode on their own
                     order = _row_order(decode(kind, raw, weight.shape, weight.dtype), weight)
                     if order is None:
                         continue
-                    raw = raw[order].contiguous()
-                    if not _same_bits(decode(kind, raw, weight.shape, weight.dtype), weight):
-                        continue
-                    found[name] = (kind, raw)
+                    found[name] = (kind, raw if order is _SAME_ORDER else raw[order].contiguous())
                     taken.add(tensor_name)
                     break
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
         return found
+
+
+def _file_record(path: Path) -> dict:
+    stat = path.stat()
+    return {"gguf": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _fits(entry: tuple, shape: tuple[int, ...]) -> bool:
+    """Whether the file's tensor ``entry`` (name, kind, rows, offset, bytes) holds as many rows and values as a
+    tensor of ``shape``."""
+    _, kind, rows, _, size = entry
+    return len(shape) == 2 and rows == shape[0] and size == coded_bytes(kind, numel(shape))
+
+
+_SAME_ORDER = object()  # `_row_order`: the rows are in the weight's order already
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -219,10 +231,11 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
 
 
-def _row_order(decoded: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """Indices ``order`` with ``decoded[order]`` equal to ``weight`` bit for bit, or None."""
+def _row_order(decoded: torch.Tensor, weight: torch.Tensor):
+    """Indices ``order`` with ``decoded[order]`` equal to ``weight`` bit for bit (`_SAME_ORDER` when that is the
+    identity), or None."""
     if _same_bits(decoded, weight):
-        return torch.arange(weight.shape[0])
+        return _SAME_ORDER
     where: dict[bytes, int] = {}
     for index, row in enumerate(_bits(decoded).numpy()):
         where.setdefault(row.tobytes(), index)

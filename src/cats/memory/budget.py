@@ -207,7 +207,7 @@ class MemoryPlan:
     def read_buffer_bytes(self) -> int:
         """The reader's buffers for streamed layers stored as quantised blocks (read there, decoded into a stream
         buffer; with two, one is read while the other decodes); 0 when none is."""
-        coded = [self.parts.stored(i) for i in self.streamed if self.parts.stored(i) < self.parts.layers[i]]
+        coded = [self.parts.stored(i) for i in self.coded_streamed]
         return self.read_buffers * round_up(max(coded)) if coded else 0
 
     @property
@@ -220,9 +220,13 @@ class MemoryPlan:
         return sum(self.parts.stored(i) for i in self.streamed)
 
     @property
-    def coded_layers(self) -> int:
+    def coded_streamed(self) -> list[int]:
         """Streamed layers the store keeps (partly) as quantised blocks."""
-        return sum(self.parts.stored(i) < self.parts.layers[i] for i in self.streamed)
+        return [i for i in self.streamed if self.parts.stored(i) < self.parts.layers[i]]
+
+    @property
+    def coded_layers(self) -> int:
+        return len(self.coded_streamed)
 
     @property
     def planned_bytes(self) -> int:

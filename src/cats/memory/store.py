@@ -101,12 +101,8 @@ class DecodedPart:
         for name, entry in header.entries.items():
             info = coded.get(name)
             specs[name] = (SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"])) if info else (entry.dtype, entry.shape)
-        entries, offset = {}, 0  # as `write_part` lays out a plain part: the same bytes as the plain layer
-        for name, (dtype, shape) in sorted(specs.items(), key=lambda item: (-item[1][0].itemsize, item[0])):
-            size = dtype.itemsize * numel(shape)
-            entries[name] = TensorEntry(dtype, shape, offset, offset + size)
-            offset += size
-        return cls(header, {name: info["kind"] for name, info in coded.items()}, entries, offset)
+        entries, data_bytes = _data_layout(specs)  # as `write_part` lays out a plain part: the plain layer's bytes
+        return cls(header, {name: info["kind"] for name, info in coded.items()}, entries, data_bytes)
 
     @property
     def layout(self) -> tuple:
@@ -128,30 +124,39 @@ class DecodedPart:
                 target.copy_(source)
 
 
+def _data_layout(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> tuple[dict[str, TensorEntry], int]:
+    """Where tensors ``{name: (dtype, shape)}`` lie in a part's data, and its bytes: ordered by element size
+    (largest first, so every offset is aligned for its dtype), then by name, back to back."""
+    entries, offset = {}, 0
+    for name, (dtype, shape) in sorted(specs.items(), key=lambda item: (-item[1][0].itemsize, item[0])):
+        size = dtype.itemsize * numel(shape)
+        entries[name] = TensorEntry(dtype, shape, offset, offset + size)
+        offset += size
+    return entries, offset
+
+
 def write_part(path: Path, tensors: dict[str, torch.Tensor]) -> int:
     """Write ``tensors`` as a safetensors file whose data starts at a multiple of 4096; fsync it and drop it from the
     page cache. Tensors are ordered by element size (largest first) so every offset is aligned for its dtype.
     Returns the file size."""
-    items = sorted(tensors.items(), key=lambda item: (-item[1].element_size(), item[0]))
-    header, offset = {}, 0
-    for name, tensor in items:
+    for name, tensor in tensors.items():
         if tensor.dtype not in DTYPE_NAMES:
             raise StoreError(f"cannot store tensor {name!r} of dtype {tensor.dtype}")
-        size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
-        offset += size
+    entries, data_bytes = _data_layout({name: (tensor.dtype, tuple(tensor.shape)) for name, tensor in tensors.items()})
+    header = {name: {"dtype": DTYPE_NAMES[e.dtype], "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
+              for name, e in entries.items()}
     header["__metadata__"] = {"format": "pt"}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (round_up(8 + len(raw)) - 8 - len(raw))
     with open(path, "wb") as handle:
         handle.write(struct.pack("<Q", len(raw)))
         handle.write(raw)
-        for _, tensor in items:
-            handle.write(memoryview(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()))
+        for name in entries:  # in layout order
+            handle.write(memoryview(tensors[name].detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()))
         handle.flush()
         os.fsync(handle.fileno())
         os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    return 8 + len(raw) + offset
+    return 8 + len(raw) + data_bytes
 
 
 def read_header(path: Path) -> PartHeader:

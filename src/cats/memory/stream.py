@@ -97,8 +97,9 @@ class LayerStreamer:
         if not 0 <= first < num_layers or slots < 1:
             raise ValueError(f"nothing to stream: first={first}, layers={num_layers}, slots={slots}")
         self.store, self.first, self.num_layers, self.io = store, first, num_layers, io
-        self.headers = {i: store.layer_header(i) for i in range(first, num_layers)}  # the files
         self.layouts = {i: store.layout(part_name(i)) for i in range(first, num_layers)}  # the decoded tensors
+        self.headers = {i: layout.file if isinstance(layout, DecodedPart) else layout  # the files
+                        for i, layout in self.layouts.items()}
         slot_bytes = max(slot_bytes, round_up(max(layout.data_bytes for layout in self.layouts.values())))
         self.slots = [_Slot(slot_bytes) for _ in range(slots)]
         coded = [self.headers[i].data_bytes for i, layout in self.layouts.items() if isinstance(layout, DecodedPart)]
@@ -153,7 +154,7 @@ class LayerStreamer:
                 self.counters.stalls += 1
             slot.state = IN_USE
             self.counters.acquires += 1
-            self.expected = layer + 1 if layer + 1 < self.num_layers else self.first
+            self.expected = self._after(layer)
         layout = self.layouts[layer]
         parameters = slot.parameters.get(layout.layout)
         if parameters is None:
@@ -207,13 +208,13 @@ class LayerStreamer:
                     return
                 slot, layer, generation = self._free_slot(), self.next_to_read, self.generation
                 slot.state, slot.layer = LOADING, layer
-                self.next_to_read = layer + 1 if layer + 1 < self.num_layers else self.first
+                self.next_to_read = self._after(layer)
             try:
                 start = time.perf_counter()
                 layout = self.layouts[layer]
                 if isinstance(layout, DecodedPart):
                     raw = self._blocks_of(layer)
-                    self._read_blocks_ahead(layer + 1 if layer + 1 < self.num_layers else self.first, raw)
+                    self._read_blocks_ahead(self._after(layer), raw)
                     decode_start = time.perf_counter()
                     layout.decode(raw.buffer, slot.buffer)
                     decoded = time.perf_counter() - decode_start
@@ -237,6 +238,10 @@ class LayerStreamer:
                 else:
                     slot.state, slot.layer = FREE, None
                 self.condition.notify_all()
+
+    def _after(self, layer: int) -> int:
+        """The streamed layer after ``layer`` in access order (the last one wraps around to the first)."""
+        return layer + 1 if layer + 1 < self.num_layers else self.first
 
     def _blocks_of(self, layer: int) -> _Slot:
         """The read buffer holding ``layer``'s blocks: the read started while the layer before decoded (waited
