@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 import cats
-from cats.draft.adapter import load_adapter
-from cats.train.data import TrainingData
+from cats.model.adapter import load_adapter
+from cats.train.folder import TrainingData
 from cats.train.trainer import TrainConfig, train_adapter
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results_path = args.out / "layers.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}  # resumable per layer
-    train_model = cats.load(args.model, dtype="float32")
-    decode_model = cats.load(args.model, dtype=args.decode_dtype)
+    train_model = cats.load_model(args.model, dtype="float32")
+    decode_model = cats.load_model(args.model, dtype=args.decode_dtype)
     data = TrainingData.open(args.data, model=train_model)
     eval_data = TrainingData.open(args.eval_data, model=train_model)
     for layer in [int(x) for x in args.layers.split(",")]:

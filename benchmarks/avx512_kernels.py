@@ -1,4 +1,4 @@
-"""The AVX-512 kernels of `cats.model.avx512` against what they replace, in one process, interleaved round by round:
+"""The AVX-512 kernels of `cats.model.kernels.avx512` against what they replace, in one process, interleaved round by round:
 
 1. linears: all of the model's projections (one call per linear, as a forward makes them) on oneDNN's prepacked
    weights against the kernels' panels, for several row counts;
@@ -19,8 +19,10 @@ import time
 
 import torch
 
-from cats.cli import default_model
-from cats.model import avx512, lean, load_model
+from cats.paths import default_model
+from cats.model import load_model
+from cats.model.kernels import avx512
+from cats.model.kernels import packing as lean
 
 
 def interleaved(candidates: dict, rounds: int) -> dict:

@@ -1,4 +1,4 @@
-"""The draft adapters' step cost relative to a full forward (issue 9's target: <= 0.10 with the reduced draft
+"""The draft adapters' step cost relative to a full forward (with the reduced draft
 vocabulary): the early-exit draft adapter (draft/), the early-exit feature adapter (early-exit/: it also reads the
 final features), and the feature draft adapter (feature/, method eagle), with and without packed weights
 (``--pack-weights``), in one process:
@@ -23,9 +23,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from adapter_layers import step_cost  # noqa: E402
 
-from cats.cli import default_model  # noqa: E402
-from cats.draft.adapter import load_adapter  # noqa: E402
-from cats.model import lean, load_model  # noqa: E402
+from cats.paths import default_model  # noqa: E402
+from cats.model.adapter import load_adapter  # noqa: E402
+from cats.model import load_model  # noqa: E402
+from cats.model.kernels import packing as lean  # noqa: E402
 
 
 def main() -> int:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 8's comparison: DyTC against the best single training-free drafter and plain decoding on Spec-Bench's six
+# DyTC against the best single training-free drafter and plain decoding on Spec-Bench's six
 # categories (mt_bench, translation, summarization, qa, math_reasoning, rag), SmolLM2-135M-Instruct, bf16, greedy.
 #   run 1 (training-free): ar, pld, layer-skip, dytc (prompt lookup + layer-skip cascades)
 #   run 2 (with the trained adapters): ar, cats, dytc (the draft adapter joins its drafters)

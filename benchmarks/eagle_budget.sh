@@ -5,7 +5,7 @@
 #   bash benchmarks/eagle_budget.sh [BUDGET] [OUT]
 set -euo pipefail
 B=${1:-50%}
-OUT=${2:-docs/results/smollm2-135m-float32-budget-${B%\%}-eagle}
+OUT=${2:-bench-out/smollm2-135m-float32-budget-${B%\%}-eagle}
 cats bench --model ../shared/data/smollm2-135m-instruct-gguf --dtype float32 --threads 2 --max-new-tokens 48 \
     --limit 3 --methods ar,tree,eagle,hf-offload --adapters adapters/smollm2-135m-instruct --memory-budget "$B" \
     --questions ../shared/data/mt_bench/question.jsonl --out "$OUT"

@@ -7,12 +7,12 @@ that ratios are comparable on a shared machine):
 * ``hf``: the model's own ``forward`` with a transformers ``DynamicCache`` (what ``hf-ar`` pays per step, logits
   for the last position only),
 * ``cats-dynamic``: `LayeredModel.forward_layers` + head over a `KVCache` whose layers are ``DynamicLayer``s
-  (torch.cat per append: the cache before issue 9),
+  (torch.cat per append),
 * ``cats``: the same over the preallocated `KVCache` (``SlotLayer``s), each layer its module's own forward,
-* ``cats-lean``: ``cats`` with the lean layer forward (`cats.model.lean_layer`, the default),
-* ``cats-packed`` (``--pack``): ``cats`` with `cats.model.lean.pack_linears` (oneDNN-prepacked weights), and
+* ``cats-lean``: ``cats`` with the lean layer forward (`cats.model.kernels.layer_forward`, the default),
+* ``cats-packed`` (``--pack``): ``cats`` with `cats.model.kernels.packing.pack_linears` (oneDNN-prepacked weights), and
   ``cats-lean-packed``: both (what ``--pack-weights`` runs),
-* ``cats-compiled`` (``--compile``): ``cats`` with `cats.model.lean.compile_layers` (inductor; toggled on for
+* ``cats-compiled`` (``--compile``): ``cats`` with `cats.model.kernels.packing.compile_layers` (inductor; toggled on for
   its calls only).
 
 Then a per-layer breakdown of one ``cats`` step, timed with forward hooks on the HF submodules (hooks add a few
@@ -33,7 +33,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from cats.cli import default_model
+from cats.paths import default_model
 from cats.model import load_model
 
 
@@ -140,8 +140,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128, help="cached tokens before each forward")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=21)
-    parser.add_argument("--compile", action="store_true", help="also time cats.model.lean.compile_layers")
-    parser.add_argument("--pack", action="store_true", help="also time cats.model.lean.pack_linears")
+    parser.add_argument("--compile", action="store_true", help="also time cats.model.kernels.packing.compile_layers")
+    parser.add_argument("--pack", action="store_true", help="also time cats.model.kernels.packing.pack_linears")
     parser.add_argument("--no-profile", action="store_true", help="skip the per-layer breakdown and the profiler")
     args = parser.parse_args()
     if args.threads:
@@ -154,7 +154,7 @@ def main() -> None:
             for k in args.k:
                 fns = step_fns(model, context, k)
                 if args.compile:
-                    from cats.model.lean import compile_layers
+                    from cats.model.kernels.packing import compile_layers
 
                     state = compile_layers(model)["state"]
                     state["off"] = True
@@ -174,7 +174,7 @@ def main() -> None:
                           f"{time.perf_counter() - start:.1f} s")
                     fns["cats-compiled"] = toggled(fns["cats"], True)
                 if args.pack:
-                    from cats.model import lean
+                    from cats.model.kernels import packing as lean
 
                     outcome = lean.pack_linears(model)
                     if outcome["reason"]:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tokens/s against the memory budget (issue 6): SmolLM2-135M-Instruct, greedy, MT-Bench first turns, every method
+# Tokens/s against the memory budget: SmolLM2-135M-Instruct, greedy, MT-Bench first turns, every method
 # under the same budget in its own process (`cats bench --memory-budget`), for each budget in BUDGETS; then
 # benchmarks/budget_plot.py draws tokens/s against the budget and writes the combined table.
 #

@@ -8,7 +8,7 @@ Example (the sweep behind the defaults in docs/benchmarks.md):
         --max-new-tokens 128 --grid early-exit:num_draft_tokens=4,threshold=0.3 \
         --grid cats:tree_topk=4,total_tokens=16,depth=5 --out sweep.json
 
-Each ``--grid METHOD:key=value,...`` is one setting; keys are `cats.generate.generate` keywords
+Each ``--grid METHOD:key=value,...`` is one setting; keys are `cats.api.generate` keywords
 (num_draft_tokens, threshold, tree_topk, total_tokens, depth, sv_threshold, sv_passes), or ``adapters=DIR`` (this
 setting's adapters folder instead of ``--adapters``). A key with several values separated by ``|`` expands into one
 setting per value (``depth=4|6``).
@@ -27,9 +27,11 @@ from pathlib import Path
 import torch
 
 import cats
-from cats.cascade import make_scorer
-from cats.draft import make_drafter
-from cats.generate import GenerationConfig, Generator, encode_prompt
+from cats.api import generator_for
+from cats.config import DraftConfig, GenerationConfig
+from cats.loop.generator import Generator
+from cats.methods import METHODS
+from cats.prompts import encode_prompt
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 INTEGER_KEYS = {"num_draft_tokens", "tree_topk", "total_tokens", "depth", "sv_passes"}
@@ -53,11 +55,8 @@ def label(method: str, settings: dict) -> str:
 def build(model, method: str, settings: dict, adapters: str | None) -> Generator:
     settings = dict(settings)
     adapters = settings.pop("adapters", adapters)  # a setting may name its own adapters folder
-    sv = {key: settings.pop(key) for key in ("sv_threshold", "sv_passes") if key in settings}
-    drafter = make_drafter(method, model, adapters=adapters if method not in ("ar", "pld", "recycle") else None,
-                           **settings)
-    scorer = make_scorer(method, model, drafter, adapters, **sv)
-    return Generator(model, drafter, method=method, scorer=scorer)
+    drafting = DraftConfig(adapters=adapters if "adapters" in METHODS[method].settings else None, **settings)
+    return generator_for(model, method, drafting)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                         "`cats bench --pack-weights`")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model = cats.load(args.model, dtype=args.dtype, pack_weights=args.pack_weights)
+    model = cats.load_model(args.model, dtype=args.dtype, pack_weights=args.pack_weights)
     rows = [json.loads(line) for line in Path(args.questions_file).read_text().splitlines() if line.strip()]
     by_category: dict[str, list] = {}
     for row in rows:

@@ -23,7 +23,7 @@ import torch
 import cats
 from cats.bench.answers import read_answers
 from cats.bench.prompts import Conversation
-from cats.bench.questions import read_questions
+from cats.prompts import read_questions
 
 
 @torch.inference_mode()
@@ -72,7 +72,7 @@ def main() -> None:
         summary = json.loads((run / "summary.json").read_text())
         key = (summary["model"], summary["dtype"])
         if key not in models:
-            models[key] = cats.load(summary["model"], dtype=summary["dtype"])
+            models[key] = cats.load_model(summary["model"], dtype=summary["dtype"])
         for method, m in summary["methods"].items():
             if not (run / f"{method}.jsonl").is_file() or method.startswith(("hf-", "llama-cpp")):
                 continue

@@ -89,7 +89,8 @@ def hf_greedy(model: LayeredModel, prompt_ids: list[int], max_new_tokens: int) -
 def assert_drafters_reproduce_plain_decoding(model: LayeredModel, prompt_ids: list[int], max_new_tokens: int = 24):
     """Prompt lookup, early exit at layer 1 and a small dynamic tree each give plain greedy decoding's tokens."""
     from cats.draft import EarlyExitDrafter, PromptLookupDrafter, TreeDrafter
-    from cats.generate import GenerationConfig, Generator
+    from cats.config import GenerationConfig
+    from cats.loop.generator import Generator
 
     def greedy(drafter=None):
         return Generator(model, drafter).generate(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens)).token_ids

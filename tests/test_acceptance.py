@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cats.acceptance import GreedyAcceptance, SpeculativeSampling, TypicalAcceptance, make_acceptance
+from cats.verify.acceptance import GreedyAcceptance, SpeculativeSampling, TypicalAcceptance, make_acceptance
 from cats.draft.base import Draw, Proposal
 from cats.errors import InvalidArgumentError
 from cats.sampling import Sampler

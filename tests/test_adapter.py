@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from cats.draft import EarlyExitDrafter
-from cats.draft.adapter import AdapterError, find_adapter, load_adapter, new_adapter
-from cats.generate import GenerationConfig, Generator
+from cats.model.adapter import AdapterError, find_adapter, load_adapter, new_adapter
+from cats.config import GenerationConfig
+from cats.loop.generator import Generator
 from tests.conftest import FAMILIES, VOCAB, hf_greedy, tiny_model
 
 

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from cats.draft import PromptLookupDrafter
-from cats.generate import GenerationConfig, Generator
-from cats.model import lean, avx512, native
+from cats.config import GenerationConfig
+from cats.loop.generator import Generator
+from cats.model.kernels import avx512, native
+from cats.model.kernels import packing as lean
 from tests.conftest import VOCAB, assert_drafters_reproduce_plain_decoding, tiny_model
 
 DTYPES = (torch.bfloat16, torch.float32)
@@ -114,13 +116,11 @@ def test_unavailable_says_why(monkeypatch):
 
 
 def test_an_unwritable_kernel_cache_is_a_reason_not_a_crash(monkeypatch, tmp_path):
-    import cats.model.load as load
-
     if native.compiler() is None or avx512.platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("no compiler / not x86-64: the build is never tried")
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    monkeypatch.setattr(load, "cache_root", lambda: blocker / "cache")  # a folder under a file: cannot be made
+    monkeypatch.setenv("CATS_CACHE", str(blocker / "cache"))  # a folder under a file: cannot be made
     monkeypatch.setattr(avx512, "_STATE", {})
     reason = avx512.unavailable(torch.float32)
     assert reason.startswith("building avx512.c in") and "a-file" in reason

@@ -195,9 +195,9 @@ def test_all_turns_each_method_continues_its_own_answer(tmp_path, one_thread):
 
 def test_cats_methods_with_adapters_report_the_cascade(tmp_path):
     import cats
-    from cats.draft.adapter import new_adapter
+    from cats.model.adapter import new_adapter
 
-    model = cats.load(TINY)
+    model = cats.load_model(TINY)
     new_adapter(model, "draft", 1, vocab_subset=list(range(256))).save(tmp_path / "adapters" / "draft")
     new_adapter(model, "shallow", 3).save(tmp_path / "adapters" / "shallow")
     out = tmp_path / "out"

@@ -35,7 +35,7 @@ def tiny_model():
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a 260K-parameter model: more threads only add synchronisation on a busy machine
-    yield cats.load(str(TINY / "hf"))
+    yield cats.load_model(str(TINY / "hf"))
     torch.set_num_threads(threads)
 
 

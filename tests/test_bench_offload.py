@@ -92,7 +92,7 @@ def test_hf_offload_needs_a_budget_and_matches_greedy(tmp_path):
     try:
         info = method.describe()
         assert info["modules_placed"].get("disk"), info  # part of the model really is offloaded
-        reference = make_method("ar", BenchContext(cats.load(str(folder)), str(folder)))
+        reference = make_method("ar", BenchContext(cats.load_model(str(folder)), str(folder)))
         prompt = [5, 7, 9, 11, 13, 17]
         assert method.generate(prompt, 12).token_ids == reference.generate(prompt, 12).token_ids
     finally:
@@ -103,7 +103,7 @@ def test_hf_offload_needs_a_budget_and_matches_greedy(tmp_path):
 def test_worker_answers_under_the_budget(tmp_path):
     """What one worker process does, run here: load under the budget, answer, measure."""
     from cats.bench.answers import PARTIAL_SUFFIX, read_answers
-    from cats.bench.questions import read_questions
+    from cats.prompts import read_questions
     from cats.bench.worker import run_job
 
     folder = eight_layer_model(tmp_path / "model", with_tokenizer=True)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from cats.bench.questions import read_questions, select_questions
+from cats.prompts import read_questions, select_questions
 from cats.errors import InvalidArgumentError
 
 

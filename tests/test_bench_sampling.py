@@ -99,7 +99,7 @@ def test_bench_bad_sampling_input(tmp_path, capsys, args, message):
 def test_baselines_sample_with_the_runs_settings(monkeypatch):
     import cats
 
-    model = cats.load(str(STORIES_HF))
+    model = cats.load_model(str(STORIES_HF))
     sampled = MethodSettings(sampling=SamplingSettings(temperature=0.9, top_p=0.95, top_k=30))
     context = BenchContext(model, str(STORIES_HF), sampled)
     hf = make_method("hf-ar", context)

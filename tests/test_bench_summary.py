@@ -106,7 +106,7 @@ def test_report_has_a_table_per_category_and_states_greedy(answers):
 
 def test_shallow_counters_are_summed_over_turns():
     from cats.bench.summary import shallow_totals
-    from cats.cascade import ShallowCounts
+    from cats.verify.cascade import ShallowCounts
 
     first = ShallowCounts(true_positive=3, false_positive=1, true_negative=2, false_negative=0, nodes_drafted=6,
                           nodes_pruned=2, steps=2).to_dict()

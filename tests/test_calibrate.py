@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cats.draft import SkipSet
-from cats.draft import calibrate as cal
+from cats.draft.layer_skip import calibration as cal
 from cats.errors import InvalidArgumentError
 from tests.conftest import STORIES_HF, VOCAB, needs, tiny_model
 
@@ -42,7 +42,7 @@ def test_probe_agrees_with_drafting_from_an_exact_prefix():
     probe = cal.AgreementProbe(model, prompts, tokens=4)
     assert probe.full_agreement == 1.0 and probe.agreement(SkipSet()) == 1.0 and probe.num_positions == 8
     skip = SkipSet(attention=(1,), mlp=(2, 3))
-    from cats.draft.layer_skip import SkipModel
+    from cats.draft.layer_skip.drafter import SkipModel
 
     hits = 0
     for row, (token, position, target) in enumerate(zip(probe.query_tokens, probe.query_positions, probe.targets)):

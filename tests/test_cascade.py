@@ -5,13 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cats.cascade import CascadeScorer, ShallowCounts, _ShallowTree
+from cats.verify.cascade import CascadeScorer, ShallowCounts, _ShallowTree
 from cats.draft import EarlyExitDrafter, PromptLookupDrafter, TreeDrafter
-from cats.draft.adapter import new_adapter
+from cats.model.adapter import new_adapter
 from cats.errors import InvalidArgumentError
-from cats.generate import GenerationConfig, Generator
+from cats.config import GenerationConfig
+from cats.loop.generator import Generator
 from cats.tree import depths
 from tests.conftest import FAMILIES, VOCAB, hf_greedy, tiny_model
+from cats.config import DraftConfig
 
 
 def test_counters_on_a_hand_built_case():
@@ -116,8 +118,8 @@ def test_bad_cascade_settings():
 
 
 def test_sv_passes_belong_to_the_cascade():
-    from cats.cascade import make_scorer
+    from cats.methods import make_scorer
 
     model = tiny_model("llama")
     with pytest.raises(InvalidArgumentError, match="sv-passes is a setting of the cascade"):
-        make_scorer("tree", model, EarlyExitDrafter(model, layer=2), sv_passes=2)
+        make_scorer("tree", model, EarlyExitDrafter(model, layer=2), DraftConfig(sv_passes=2))

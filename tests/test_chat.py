@@ -7,17 +7,18 @@ import sys
 
 import pytest
 
-from cats.chat import ChatSession
-from cats.decode_options import sampling_available
+from cats.cli.chat import ChatSession
 from cats.draft import PromptLookupDrafter
-from cats.generate import GenerationConfig, Generator, encode_chat
+from cats.config import GenerationConfig
+from cats.loop.generator import Generator
+from cats.prompts import encode_chat
 
 
 @pytest.fixture(scope="module")
 def model(stories_chat_dir):
     import cats
 
-    return cats.load(str(stories_chat_dir))
+    return cats.load_model(str(stories_chat_dir))
 
 
 def greedy_answer(model, messages, max_new_tokens):
@@ -46,7 +47,7 @@ def test_answers_see_the_history_and_reset_forgets_it(model):
 def test_old_turns_are_dropped_to_fit_the_context_window(stories_chat_dir):
     import cats
 
-    model = cats.load(str(stories_chat_dir))
+    model = cats.load_model(str(stories_chat_dir))
     model.config.max_position_embeddings = 80  # a small context window
     session = ChatSession(Generator(model), max_new_tokens=20)
     for _ in range(4):
@@ -77,11 +78,3 @@ def test_cats_chat_command(stories_chat_dir, model, monkeypatch, capsys):
     stats = [line for line in err.splitlines() if line.startswith("[pld] ")]
     assert len(stats) == 2 and all("12 tokens" in s and "tok/s" in s and "mean accepted" in s for s in stats)
     assert "(history cleared)" in err and "unknown command /help" in err
-
-
-@pytest.mark.skipif(sampling_available(), reason="this build samples")
-def test_cats_chat_refuses_sampling_it_does_not_have(stories_chat_dir, capsys):
-    from cats.cli import main
-
-    assert main(["chat", "--model", str(stories_chat_dir), "--temperature", "0.8"]) == 2
-    assert "sampling" in capsys.readouterr().err

@@ -70,9 +70,9 @@ def test_readme_quick_start_on_the_default_model():
 @needs(STORIES_HF)
 def test_generate_with_adapters(tmp_path):
     import cats
-    from cats.draft.adapter import new_adapter
+    from cats.model.adapter import new_adapter
 
-    model = cats.load(STORIES_HF)
+    model = cats.load_model(STORIES_HF)
     new_adapter(model, "draft", 2, vocab_subset=list(range(300))).save(tmp_path / "adapters" / "draft")
     outputs = {}
     for method, extra in (("ar", []), ("early-exit", ["--adapters", tmp_path / "adapters", "--threshold", "0.1"])):
@@ -89,11 +89,20 @@ def test_generate_with_adapters(tmp_path):
 
 def test_flag_defaults_match_the_library_defaults():
     """The CLI keeps literal defaults (it parses without importing torch); they must equal the library's."""
-    from cats.cascade import SV_THRESHOLD
+    from cats.verify.cascade import SV_THRESHOLD
     from cats.cli import build_parser
 
     parser = build_parser()
     for command in (["generate", "--prompt", "x"], ["bench", "--questions", "q.jsonl", "--out", "o"]):
         args = parser.parse_args(command)
         assert args.sv_threshold == SV_THRESHOLD, command
-        assert args.threshold is None, command  # None: the method's own confidence stop (cats.draft.CONFIDENCE_STOP)
+        assert args.threshold is None, command  # None: the method's own confidence stop (cats.methods.CONFIDENCE_STOP)
+
+
+def test_serve_without_the_serve_extra_says_what_to_install(monkeypatch, capsys):
+    import cats.cli.serve as serve_command
+    from cats.cli import main
+
+    monkeypatch.setattr(serve_command, "SERVE_MISSING", ["fastapi"])
+    assert main(["serve", "--port", "0"]) == 2
+    assert "pip install 'cats[serve]'" in capsys.readouterr().err

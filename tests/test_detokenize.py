@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cats.detokenize import IncrementalDetokenizer
+from cats.loop.text import IncrementalDetokenizer
 from tests.conftest import SMOLLM2, needs
 
 

@@ -6,13 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cats.draft import EarlyExitDrafter, make_drafter
-from cats.draft.adapter import AdapterError, load_adapter, new_adapter
-from cats.draft.feature import FeatureDrafter
+from cats.draft import EarlyExitDrafter
+from cats.methods import make_drafter
+from cats.model.adapter import AdapterError, load_adapter, new_adapter
+from cats.draft.eagle import FeatureDrafter
 from cats.errors import InvalidArgumentError
-from cats.generate import GenerationConfig, Generator
-from cats.memory.offload import memory_needs
+from cats.config import GenerationConfig
+from cats.loop.generator import Generator
+from cats.methods import memory_needs
 from tests.conftest import FAMILIES, VOCAB, hf_greedy, tiny_model
+from cats.config import DraftConfig
 
 NEW_TOKENS = 40
 SHAPES = [dict(tree_topk=1, total_tokens=5, depth=5), dict(tree_topk=2, total_tokens=6, depth=3),
@@ -77,7 +80,7 @@ def test_the_adapter_cache_holds_only_true_entries():
     model = tiny_model("qwen2-swa", damp=0.1)
     drafter = FeatureDrafter(model, feature_adapter(model), tree_topk=2, total_tokens=6, depth=3)
     generator, stats = Generator(model, drafter), None
-    from cats.stats import GenerationStats
+    from cats.loop.stats import GenerationStats
 
     stats = GenerationStats()
     prompt = prompts()[0]
@@ -103,14 +106,14 @@ def test_adapter_files_and_errors(tmp_path):
     folder = feature_adapter(model).save(tmp_path / "adapters" / "feature")
     loaded = load_adapter(folder, model, role="draft", layer=model.num_layers)
     assert loaded.config.input == "features" and loaded.fc is not None
-    drafter = make_drafter("eagle", model, adapters=str(tmp_path / "adapters"), tree_topk=1, depth=4)
+    drafter = make_drafter("eagle", model, DraftConfig(adapters=str(tmp_path / "adapters"), tree_topk=1, depth=4))
     assert isinstance(drafter, FeatureDrafter) and drafter.depth == 4
     expected = hf_greedy(model, prompts()[0], NEW_TOKENS)
     assert run(model, drafter, prompts()[0]).token_ids == expected
     with pytest.raises(InvalidArgumentError, match="needs --adapters"):
         make_drafter("eagle", model)
     with pytest.raises(InvalidArgumentError, match="--depth"):
-        make_drafter("eagle", model, adapters=str(tmp_path / "adapters"), num_draft_tokens=3)
+        make_drafter("eagle", model, DraftConfig(adapters=str(tmp_path / "adapters"), num_draft_tokens=3))
     hidden = new_adapter(model, "draft", 1)
     with pytest.raises(AdapterError, match="feature draft adapter"):
         FeatureDrafter(model, hidden)
@@ -127,20 +130,20 @@ def test_adapter_files_and_errors(tmp_path):
 def test_memory_needs_keep_no_layer_resident_for_eagle(tmp_path):
     model = tiny_model("llama")
     feature_adapter(model).save(tmp_path / "feature")
-    needs = memory_needs(model.config, torch.float32, "eagle", adapters=str(tmp_path), total_tokens=8)
+    needs = memory_needs(model.config, torch.float32, "eagle", DraftConfig(adapters=str(tmp_path), total_tokens=8))
     assert needs.min_resident_layers == 0 and needs.extra_cache_layers == 1
     assert needs.max_tree_tokens == 9 and needs.adapter_bytes > 0
 
 
 def test_dytc_schedules_feature_chains_and_trees_losslessly():
-    from cats.draft.dytc import DraftOption, DyTCDrafter
-    from cats.draft.feature import FeatureShape
+    from cats.draft.dytc.scheduler import DraftOption, DyTCDrafter
+    from cats.draft.eagle import FeatureDrafterView
     from cats.draft.prompt_lookup import PromptLookupDrafter
 
     model = tiny_model("llama", damp=0.1)
     core = FeatureDrafter(model, feature_adapter(model))
-    drafter = DyTCDrafter([DraftOption("eagle-chain", FeatureShape(core, 1, 4, 4), 4, 0.6, 0.05),
-                           DraftOption("eagle", FeatureShape(core, 2, 6, 3), 6, 0.6, 0.05, tree=True)],
+    drafter = DyTCDrafter([DraftOption("eagle-chain", FeatureDrafterView(core, 1, 4, 4), 4, 0.6, 0.05),
+                           DraftOption("eagle", FeatureDrafterView(core, 2, 6, 3), 6, 0.6, 0.05, tree=True)],
                           lookup=PromptLookupDrafter(num_tokens=6), features=core)
     assert drafter.wants_features and drafter.cache_layers == 1
     choices = {}

@@ -10,16 +10,19 @@ import numpy as np
 import pytest
 import torch
 
-from cats.draft import LayerSkipDrafter, PromptLookupDrafter, SkipSet, make_drafter
+from cats.draft import LayerSkipDrafter, PromptLookupDrafter, SkipSet
+from cats.methods import make_drafter
 from cats.draft.base import DecodeState, Drafter, Proposal
-from cats.draft.dytc import (AcceptanceEstimate, DraftOption, DyTCDrafter, LatencyModel, WindowedAverage,
-                             expected_accepted, match_class)
-from cats.draft.hindsight import TREE_SIZES, HindsightRecord, HindsightYield, best_cut
-from cats.draft.verify_cost import CostShape, VerifyCost, measure_shape
+from cats.draft.dytc.estimates import AcceptanceEstimate, LatencyModel, WindowedAverage, expected_accepted, match_class
+from cats.draft.dytc.scheduler import DraftOption, DyTCDrafter
+from cats.draft.dytc.hindsight import TREE_SIZES, HindsightRecord, HindsightYield, best_cut
+from cats.draft.dytc.cost import CostShape, VerifyCost, measure_shape
 from cats.draft.prompt_lookup import LookupMatch
 from cats.errors import InvalidArgumentError
-from cats.generate import GenerationConfig, Generator
+from cats.config import GenerationConfig
+from cats.loop.generator import Generator
 from tests.conftest import FAMILIES, VOCAB, hf_greedy, tiny_model
+from cats.config import DraftConfig
 
 
 def test_expected_accepted():
@@ -136,7 +139,7 @@ def test_hindsight_yield_expects_the_union_of_tree_and_chain():
     assert expected[4, 4] == pytest.approx(mean([0, 3, 0]))  # max(2, min(4, 3))
     assert yields.count(11, 1) == 1 and yields.count(12, 1) == 0  # the window is in decode steps
     assert yields.expected(12, 1, 4).max() == 0  # back to the prior
-    from cats.draft.hindsight import YIELD_RECORDS
+    from cats.draft.dytc.hindsight import YIELD_RECORDS
     for step in range(YIELD_RECORDS + 5):  # at most YIELD_RECORDS records per class: the oldest leave first
         yields.observe(20, 3, np.zeros(len(TREE_SIZES)), 1 if step < 5 else 2)
     assert yields.count(20, 3) == YIELD_RECORDS and yields.expected(20, 3, 4)[0, 4] == pytest.approx(2.0)
@@ -354,7 +357,7 @@ def cycling(drafter: DyTCDrafter) -> DyTCDrafter:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_dytc_equals_greedy(family):
-    from cats.draft.adapter import new_adapter
+    from cats.model.adapter import new_adapter
 
     model = tiny_model(family, damp=0.1)
     torch.manual_seed(0)
@@ -370,7 +373,7 @@ def test_dytc_equals_greedy(family):
 
 def test_every_option_and_the_lookahead_get_used():
     """The lossless test above must exercise every branch: each drafter, prompt lookup and attached look-aheads."""
-    from cats.draft.adapter import new_adapter
+    from cats.model.adapter import new_adapter
 
     model = tiny_model("llama", damp=0.1)
     torch.manual_seed(0)
@@ -386,30 +389,30 @@ def test_every_option_and_the_lookahead_get_used():
 def test_dytc_method_calibrates_once_and_reports(tmp_path, monkeypatch):
     monkeypatch.setenv("CATS_CACHE", str(tmp_path))
     model = tiny_model("llama", damp=0.1)
-    drafter = make_drafter("dytc", model, num_draft_tokens=5)
+    drafter = make_drafter("dytc", model, DraftConfig(num_draft_tokens=5))
     assert list(drafter.options) == ["recycle", "ls0.4<pld", "ls0.6<pld", "ls0.4<ls0.6<pld"]
     assert (tmp_path / "skip-sets").is_dir()
-    layer_skip = make_drafter("layer-skip", model, sparsity=0.6)
+    layer_skip = make_drafter("layer-skip", model, DraftConfig(sparsity=0.6))
     assert layer_skip.skip == drafter.options["ls0.6<pld"].drafter.skip and layer_skip.agreement is not None
     prompt = [5, 6, 7, 8] * 4
     result = Generator(model, drafter).generate(prompt, GenerationConfig(max_new_tokens=30))
     assert result.token_ids == hf_greedy(model, prompt, 30)
-    from cats.draft.adapter import new_adapter
+    from cats.model.adapter import new_adapter
 
     torch.manual_seed(0)
     new_adapter(model, "draft", 2).save(tmp_path / "adapters" / "draft")
-    with_adapter = make_drafter("dytc", model, adapters=str(tmp_path / "adapters"), total_tokens=8, depth=3)
+    with_adapter = make_drafter("dytc", model, DraftConfig(adapters=str(tmp_path / "adapters"), total_tokens=8, depth=3))
     assert list(with_adapter.options)[-2:] == ["draft-adapter", "draft-tree"] and with_adapter.cache_layers == 1
     result = Generator(model, with_adapter).generate(prompt, GenerationConfig(max_new_tokens=30))
     assert result.token_ids == hf_greedy(model, prompt, 30)
     with pytest.raises(InvalidArgumentError, match="--sparsity applies to layer-skip and dytc"):
-        make_drafter("pld", model, sparsity=0.4)
+        make_drafter("pld", model, DraftConfig(sparsity=0.4))
     with pytest.raises(InvalidArgumentError, match="layer-skip takes one sparsity"):
-        make_drafter("layer-skip", model, sparsity=(0.4, 0.6))
+        make_drafter("layer-skip", model, DraftConfig(sparsity=(0.4, 0.6)))
     with pytest.raises(InvalidArgumentError, match="--threshold does not apply to dytc"):
-        make_drafter("dytc", model, threshold=0.3)
+        make_drafter("dytc", model, DraftConfig(threshold=0.3))
     with pytest.raises(InvalidArgumentError, match="--adapters does not apply to layer-skip"):
-        make_drafter("layer-skip", model, adapters="somewhere")
+        make_drafter("layer-skip", model, DraftConfig(adapters="somewhere"))
 
 
 def test_scheduler_counters_are_summed_in_bench_summaries():

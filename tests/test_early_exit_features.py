@@ -7,14 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cats.draft import EarlyExitDrafter, make_drafter
-from cats.draft.adapter import new_adapter
-from cats.draft.tree_draft import TreeDrafter
+from cats.draft import EarlyExitDrafter
+from cats.methods import make_drafter
+from cats.model.adapter import new_adapter
+from cats.draft.tree import TreeDrafter
 from cats.errors import InvalidArgumentError
-from cats.generate import GenerationConfig, Generator
-from cats.memory.offload import memory_needs
-from cats.stats import GenerationStats
+from cats.config import GenerationConfig
+from cats.loop.generator import Generator
+from cats.methods import memory_needs
+from cats.loop.stats import GenerationStats
 from tests.conftest import FAMILIES, VOCAB, hf_greedy, tiny_model
+from cats.config import DraftConfig
 
 NEW_TOKENS = 40
 
@@ -96,17 +99,17 @@ def test_early_exit_finds_its_own_adapter_and_trees_refuse_it(tmp_path):
     model = tiny_model("llama")
     new_adapter(model, "draft", 2).save(tmp_path / "draft")
     early_exit_feature_adapter(model, layer=1).save(tmp_path / "early-exit")
-    drafter = make_drafter("early-exit", model, adapters=str(tmp_path), num_draft_tokens=3)
+    drafter = make_drafter("early-exit", model, DraftConfig(adapters=str(tmp_path), num_draft_tokens=3))
     assert drafter.wants_features and drafter.layer == 1 and drafter.describe()["adapter"]["input"] == "features+hidden"
-    tree = make_drafter("tree", model, adapters=str(tmp_path))
+    tree = make_drafter("tree", model, DraftConfig(adapters=str(tmp_path)))
     assert tree.adapter.config.input == "hidden" and tree.layer == 2  # trees keep draft/
     with pytest.raises(InvalidArgumentError, match="method early-exit"):
         TreeDrafter(model, adapter=early_exit_feature_adapter(model))
-    plain = make_drafter("early-exit", model, adapters=str(tmp_path / "draft"), num_draft_tokens=3)
+    plain = make_drafter("early-exit", model, DraftConfig(adapters=str(tmp_path / "draft"), num_draft_tokens=3))
     assert not plain.wants_features and plain.layer == 2
     # memory plans count the adapter each method loads (the early-exit one has fc as well)
-    early = memory_needs(model.config, torch.float64, "early-exit", adapters=str(tmp_path))
-    trees = memory_needs(model.config, torch.float64, "tree", adapters=str(tmp_path))
+    early = memory_needs(model.config, torch.float64, "early-exit", DraftConfig(adapters=str(tmp_path)))
+    trees = memory_needs(model.config, torch.float64, "tree", DraftConfig(adapters=str(tmp_path)))
     size = model.config.hidden_size
     assert early.min_resident_layers == 1 and trees.min_resident_layers == 2
     assert early.adapter_bytes - trees.adapter_bytes == (2 * size * size + size) * 8  # fc, float64; same blocks
@@ -116,18 +119,18 @@ def test_adapter_drafters_stop_at_the_default_confidence(tmp_path):
     """Left unset, ``threshold`` is `CONFIDENCE_STOP` for the adapter drafters and 0 elsewhere; an explicit 0 turns
     the stop off. A random tiny model's drafts are unconfident (vocabulary 100+, probabilities ~0.01-0.1), so with
     the default stop every step drafts only its first token, and without it the full length: same output."""
-    from cats.draft import CONFIDENCE_STOP
+    from cats.methods import CONFIDENCE_STOP
 
     model = tiny_model("llama")
-    assert make_drafter("early-exit", model, draft_layer=1).threshold == CONFIDENCE_STOP
-    assert make_drafter("tree", model, draft_layer=1).threshold == CONFIDENCE_STOP
-    assert make_drafter("early-exit", model, draft_layer=1, threshold=0.0).threshold == 0.0
+    assert make_drafter("early-exit", model, DraftConfig(draft_layer=1)).threshold == CONFIDENCE_STOP
+    assert make_drafter("tree", model, DraftConfig(draft_layer=1)).threshold == CONFIDENCE_STOP
+    assert make_drafter("early-exit", model, DraftConfig(draft_layer=1, threshold=0.0)).threshold == 0.0
     assert make_drafter("pld", model) is not None  # no stop there, and no complaint about one
     with pytest.raises(InvalidArgumentError, match="threshold"):
-        make_drafter("pld", model, threshold=0.4)
+        make_drafter("pld", model, DraftConfig(threshold=0.4))
     prompt = prompts()[0]
-    stopping = run(model, make_drafter("early-exit", model, draft_layer=1, num_draft_tokens=4), prompt)
-    full = run(model, make_drafter("early-exit", model, draft_layer=1, num_draft_tokens=4, threshold=0.0), prompt)
+    stopping = run(model, make_drafter("early-exit", model, DraftConfig(draft_layer=1, num_draft_tokens=4)), prompt)
+    full = run(model, make_drafter("early-exit", model, DraftConfig(draft_layer=1, num_draft_tokens=4, threshold=0.0)), prompt)
     assert stopping.token_ids == full.token_ids == hf_greedy(model, prompt, NEW_TOKENS)
     steps = stopping.stats.target_forwards - 1
     # one token per step (the first is always drafted), none in a last step that has room for one token only

@@ -1,13 +1,16 @@
-"""The whole-layer kernel (`cats.model.lean_layer.fused_layer_forward` on `avx512.layer`): a packed Llama-style
+"""The whole-layer kernel (`cats.model.kernels.layer_forward.fused_layer_forward` on `avx512.layer`): a packed Llama-style
 layer over a few tokens in one C call. It must compute what the lean forward computes (the same kernels; its own
 norm and SiLU rounding), stay row-invariant, leave its caller's tensors alone, and fall back where it cannot run."""
 
 import pytest
 import torch
 
-from cats.generate import GenerationConfig, Generator
-from cats.model import LayeredModel, avx512, lean
-from cats.model.lean_layer import fused_unsupported
+from cats.config import GenerationConfig
+from cats.loop.generator import Generator
+from cats.model import LayeredModel
+from cats.model.kernels import avx512
+from cats.model.kernels import packing as lean
+from cats.model.kernels.layer_forward import fused_unsupported
 from conftest import COMMON, VOCAB, assert_drafters_reproduce_plain_decoding, tiny_model
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -140,8 +143,8 @@ def test_a_feature_adapter_drafts_on_packed_kernels_and_stays_lossless():
     """A feature (eagle) adapter on a packed bf16 model packs its input projection and block too, its block runs on
     the whole-layer kernel, and its trees reproduce plain decoding bit for bit."""
     needs(torch.bfloat16)
-    from cats.draft.adapter import new_adapter
-    from cats.draft.feature import FeatureDrafter
+    from cats.model.adapter import new_adapter
+    from cats.draft.eagle import FeatureDrafter
 
     model = model_with_wide_heads("llama", torch.bfloat16, seed=9)
     adapter = new_adapter(model, "draft", model.num_layers, input="features")

@@ -7,7 +7,8 @@ import pytest
 import cats
 from cats.draft import EarlyExitDrafter, PromptLookupDrafter
 from cats.errors import InvalidArgumentError, PromptTooLongError, UnknownMethodError
-from cats.generate import GenerationConfig, Generator
+from cats.config import GenerationConfig
+from cats.loop.generator import Generator
 from tests.conftest import STORIES_HF, hf_greedy, needs, tiny_model
 
 
@@ -62,13 +63,13 @@ def test_bad_arguments_raise_typed_errors(llama):
 
 @needs(STORIES_HF)
 def test_text_prompt_stop_strings_and_hf_equality():
-    model = cats.load(STORIES_HF)
-    result = cats.generate(model, "Once upon a time", method="pld", max_new_tokens=60)
+    model = cats.load_model(STORIES_HF)
+    result = cats.generate(model, "Once upon a time", method="pld", generation=GenerationConfig(max_new_tokens=60))
     prompt_ids = model.tokenizer("Once upon a time")["input_ids"]
     assert result.prompt_token_ids == prompt_ids
     assert result.token_ids == hf_greedy(model, prompt_ids, 60)
     assert result.text.startswith(", there was a little girl named Lily")  # llama2.c's reference output
-    stopped = cats.generate(model, "Once upon a time", method="early-exit", max_new_tokens=60, stop=["Lily."])
+    stopped = cats.generate(model, "Once upon a time", method="early-exit", generation=GenerationConfig(max_new_tokens=60, stop=["Lily."]))
     assert stopped.stats.stop_reason == "stop_string"
     assert stopped.text.endswith("Lily.") and "Lily." not in model.tokenizer.decode(stopped.token_ids[:-1])
     assert stopped.token_ids == result.token_ids[: len(stopped.token_ids)]

@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cats.draft import EarlyExitDrafter, PromptLookupDrafter
-from cats.generate import GenerationConfig, Generator
+from cats.config import GenerationConfig
+from cats.loop.generator import Generator
 from tests.conftest import FAMILIES, VOCAB, hf_greedy, tiny_model
 
 NEW_TOKENS = 40

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from cats.draft import LayerSkipDrafter, PromptLookupDrafter, SkipSet
-from cats.draft.layer_skip import split_layer
+from cats.draft.layer_skip.drafter import split_layer
 from cats.errors import InvalidArgumentError
-from cats.generate import GenerationConfig, Generator
-from cats.stats import GenerationStats
+from cats.config import GenerationConfig
+from cats.loop.generator import Generator
+from cats.loop.stats import GenerationStats
 from tests.conftest import FAMILIES, VOCAB, hf_greedy, tiny_model
 
 NEW_TOKENS = 30

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from cats.draft import EarlyExitDrafter, PromptLookupDrafter
-from cats.generate import GenerationConfig, Generator
-from cats.model import lean, avx512
+from cats.config import GenerationConfig
+from cats.loop.generator import Generator
+from cats.model.kernels import avx512
+from cats.model.kernels import packing as lean
 from tests.conftest import VOCAB, hf_greedy, tiny_model
 
 PROMPT = torch.randint(3, VOCAB, (8,), generator=torch.Generator().manual_seed(11)).tolist() * 2
@@ -99,7 +101,7 @@ def test_packing_is_for_bf16_and_float32_only():
 def test_packed_model_packs_its_adapter_and_keeps_drafting_lossless():
     """An adapter on a packed target packs its block and its reduced-vocabulary head rows on first use, and early
     exit through it reproduces the packed model's own greedy tokens."""
-    from cats.draft.adapter import new_adapter
+    from cats.model.adapter import new_adapter
 
     model = tiny_model("llama", seed=6, damp=0.1, dtype=torch.bfloat16)
     torch.manual_seed(0)

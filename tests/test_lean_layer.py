@@ -1,4 +1,4 @@
-"""The lean decoder-layer forward (`cats.model.lean_layer`): the module's own math, every family it claims, every
+"""The lean decoder-layer forward (`cats.model.kernels.layer_forward`): the module's own math, every family it claims, every
 mask kind the decode loop uses; the modules' forward where it does not apply."""
 
 from __future__ import annotations
@@ -7,9 +7,12 @@ import pytest
 import torch
 
 from cats.draft import EarlyExitDrafter, PromptLookupDrafter, TreeDrafter
-from cats.generate import GenerationConfig, Generator
-from cats.model import LayeredModel, avx512, lean
-from cats.model.lean_layer import lean_default, lean_unsupported
+from cats.config import GenerationConfig
+from cats.loop.generator import Generator
+from cats.model import LayeredModel
+from cats.model.kernels import avx512
+from cats.model.kernels import packing as lean
+from cats.model.kernels.layer_forward import lean_default, lean_unsupported
 from tests.conftest import FAMILIES, VOCAB, hf_greedy, tiny_config, tiny_model
 
 PROMPT = torch.randint(3, VOCAB, (9,), generator=torch.Generator().manual_seed(5)).tolist() * 2

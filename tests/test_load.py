@@ -8,14 +8,14 @@ import pytest
 import torch
 
 import cats
-import cats.model.load as load_module
+import cats.model.source as load_module
 from cats.errors import MissingDependencyError, ModelNotFoundError, UnsupportedArchitectureError
 from tests.conftest import STORIES_GGUF, STORIES_HF, needs
 
 
 @needs(STORIES_HF)
 def test_hf_folder_loads_with_tokenizer_and_dtype():
-    model = cats.load(STORIES_HF, dtype="bfloat16")
+    model = cats.load_model(STORIES_HF, dtype="bfloat16")
     assert model.num_layers == 5 and model.dtype == torch.bfloat16
     assert model.tokenizer is not None and model.eos_token_ids == {2}
     assert model.name == str(STORIES_HF)
@@ -25,11 +25,11 @@ def test_hf_folder_loads_with_tokenizer_and_dtype():
 def test_gguf_is_converted_once_and_matches_the_hf_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("CATS_CACHE", str(tmp_path / "cache"))
     with pytest.warns(UserWarning, match="tokenizer"):  # llama2.c GGUF tokenizers are not readable by transformers
-        from_gguf = cats.load(STORIES_GGUF)
+        from_gguf = cats.load_model(STORIES_GGUF)
     converted = list((tmp_path / "cache" / "gguf").iterdir())
     assert len(converted) == 1 and (converted[0] / "model.safetensors").is_file()
     assert json.loads((converted[0] / "cats-source.json").read_text())["gguf"] == str(STORIES_GGUF.resolve())
-    reference = cats.load(STORIES_HF)
+    reference = cats.load_model(STORIES_HF)
     ids = torch.tensor([1, 400, 30, 87, 5])
     with torch.no_grad():
         assert torch.equal(from_gguf.forward(ids, from_gguf.new_cache()), reference.forward(ids, reference.new_cache()))
@@ -39,7 +39,7 @@ def test_gguf_is_converted_once_and_matches_the_hf_folder(tmp_path, monkeypatch)
 
     monkeypatch.setattr(load_module, "_save_plain", no_second_conversion)
     with pytest.warns(UserWarning):
-        cats.load(STORIES_GGUF.parent)  # a folder holding one .gguf file: the cached conversion is reused
+        cats.load_model(STORIES_GGUF.parent)  # a folder holding one .gguf file: the cached conversion is reused
 
 
 def test_gguf_without_gguf_package_is_a_clear_error(tmp_path, monkeypatch):
@@ -49,19 +49,19 @@ def test_gguf_without_gguf_package_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(load_module.importlib.util, "find_spec",
                         lambda name, *a: None if name == "gguf" else real_find_spec(name, *a))
     with pytest.raises(MissingDependencyError, match="pip install gguf"):
-        cats.load(fake)
+        cats.load_model(fake)
 
 
 def test_missing_paths_and_unreachable_hub_ids(tmp_path):
     with pytest.raises(ModelNotFoundError, match="does not exist"):
-        cats.load(tmp_path / "no-such-model")
+        cats.load_model(tmp_path / "no-such-model")
     with pytest.raises(ModelNotFoundError, match="neither a config.json nor a .gguf"):
-        cats.load(tmp_path)
+        cats.load_model(tmp_path)
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(ModelNotFoundError, match="not a .gguf"):
-        cats.load(tmp_path / "weights.bin")
+        cats.load_model(tmp_path / "weights.bin")
     with pytest.raises(ModelNotFoundError, match="Hugging Face Hub"):
-        cats.load("cats-tests-nonexistent-org/no-such-model-4711")
+        cats.load_model("cats-tests-nonexistent-org/no-such-model-4711")
 
 
 def test_unsupported_architecture_is_rejected_before_loading_weights(tmp_path):
@@ -69,7 +69,7 @@ def test_unsupported_architecture_is_rejected_before_loading_weights(tmp_path):
 
     GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64).save_pretrained(tmp_path)  # no weights at all
     with pytest.raises(UnsupportedArchitectureError, match="'gpt2'.*supports"):
-        cats.load(tmp_path)
+        cats.load_model(tmp_path)
 
 
 def test_unknown_dtype():

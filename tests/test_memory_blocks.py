@@ -1,4 +1,4 @@
-"""A GGUF model's decoder layers streamed in the file's own quantised blocks (cats.memory.blocks): the decoder gives
+"""A GGUF model's decoder layers streamed in the file's own quantised blocks (cats.model.weights.blocks): the decoder gives
 gguf-py's values bit for bit, the store keeps blocks only where they decode to the checkpoint's weights, and a model
 streamed from such a store decodes exactly as the model in memory."""
 
@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from cats.generate import GenerationConfig, Generator
-from cats.memory import blocks
-from cats.memory.blocks import GGUFBlocks
-from cats.memory.budget import MemoryNeeds
-from cats.memory.offload import _stored_estimate, plan_for
-from cats.memory.store import StoreError
+from cats.config import GenerationConfig
+from cats.loop.generator import Generator
+from cats.model.weights import blocks
+from cats.model.weights.blocks import GGUFBlocks
+from cats.model.weights.budget import MemoryNeeds
+from cats.model.weights.offload import _stored_estimate, plan_for
+from cats.model.weights.parts import StoreError
 from cats.model import load_model
 from tests.conftest import hf_greedy, needs, tiny_model
 
@@ -73,7 +74,7 @@ LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_att
 def quantised_checkpoint(folder: Path, perturbed: str = "model.layers.0.self_attn.v_proj.weight"):
     """A tiny float32 Llama whose linears are what quantised blocks decode to (Q4_1, Q8_0 and Q4_0 by layer),
     saved as a checkpoint with a GGUF file holding those blocks and the ``cats-source.json`` that names it, as
-    `cats.model.load.convert_gguf` leaves it. In the checkpoint, q_proj's rows are reversed against the file's (as
+    `cats.model.source.convert_gguf` leaves it. In the checkpoint, q_proj's rows are reversed against the file's (as
     transformers permutes Llama's q/k rows) and one value of ``perturbed`` is one unit off its blocks' value."""
     model = tiny_model("llama", dtype=torch.float32)
     writer = gguf.GGUFWriter(str(folder / "tiny.gguf"), "llama")
@@ -131,7 +132,7 @@ def test_store_keeps_blocks_that_decode_to_the_checkpoint_and_streams_them_lossl
 
 
 def test_blocks_in_bfloat16(tmp_path):
-    from cats.memory.offload import build_skeleton, checkpoint_store
+    from cats.model.weights.offload import build_skeleton, checkpoint_store
 
     folder = tmp_path / "model"
     folder.mkdir()
@@ -170,12 +171,11 @@ def test_smollm2_streams_its_q4_1_blocks_and_decodes_as_in_memory(method, monkey
     import cats
 
     monkeypatch.delenv("CATS_CACHE")  # the converted checkpoint other tests use
-    adapters = {} if method == "ar" else {"adapters": str(Path(__file__).resolve().parents[1] / "adapters" /
-                                                          "smollm2-135m-instruct")}
+    adapters = None if method == "ar" else str(Path(__file__).resolve().parents[1] / "adapters" / "smollm2-135m-instruct")
     prompt = "Name three colours of the rainbow."
-    streamed = cats.generate(str(SMOLLM2), prompt, method=method, memory_budget="50%", max_new_tokens=24, chat=True,
-                             **adapters)
-    plain = cats.generate(str(SMOLLM2), prompt, method="ar", max_new_tokens=24, chat=True)
+    streamed = cats.generate(str(SMOLLM2), prompt, method=method, chat=True, memory=cats.MemoryConfig(budget="50%"),
+                             generation=GenerationConfig(max_new_tokens=24), drafting=cats.DraftConfig(adapters=adapters))
+    plain = cats.generate(str(SMOLLM2), prompt, method="ar", chat=True, generation=GenerationConfig(max_new_tokens=24))
     assert streamed.token_ids == plain.token_ids
     offload = streamed.stats.offload
     per_layer = offload["bytes_read"] / offload["layers_read"]

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from cats.errors import InvalidArgumentError
-from cats.memory.budget import (BudgetTooSmallError, MemoryNeeds, PartSizes, kv_cache_bytes, parse_budget,
-                                plan_memory)
-from cats.memory.speculation import BUCKETS, choose_bucket
+from cats.model.weights.budget import (BudgetTooSmallError, MemoryNeeds, PartSizes, kv_cache_bytes, parse_budget, plan_memory)
+from cats.draft.sizing import BUCKETS, choose_bucket
 from tests.conftest import tiny_model
+from cats.config import DraftConfig
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -82,8 +82,8 @@ def test_part_sizes_are_the_real_parameter_bytes():
 
 
 def test_memory_needs_per_method(tmp_path):
-    from cats.draft.adapter import new_adapter
-    from cats.memory.offload import memory_needs
+    from cats.model.adapter import new_adapter
+    from cats.methods import memory_needs
 
     model = tiny_model("llama")
     new_adapter(model, "draft", 1, vocab_subset=list(range(10))).save(tmp_path / "draft")
@@ -91,11 +91,11 @@ def test_memory_needs_per_method(tmp_path):
     config, dtype = model.config, torch.float64
     assert memory_needs(config, dtype, "ar", context_tokens=50).min_resident_layers == 0
     assert memory_needs(config, dtype, "pld").max_tree_tokens == 11
-    early = memory_needs(config, dtype, "early-exit", draft_layer=3, num_draft_tokens=5)
+    early = memory_needs(config, dtype, "early-exit", DraftConfig(draft_layer=3, num_draft_tokens=5))
     assert (early.min_resident_layers, early.max_tree_tokens) == (3, 6)
     tree = memory_needs(config, dtype, "tree")
     assert tree.min_resident_layers == 1 and tree.max_tree_tokens == max(b.total_tokens for b in BUCKETS) + 1
-    cats = memory_needs(config, dtype, "cats", adapters=str(tmp_path), total_tokens=8)
+    cats = memory_needs(config, dtype, "cats", DraftConfig(adapters=str(tmp_path), total_tokens=8))
     block = sum(p.numel() for p in model.layers[0].parameters()) + 64  # decoder block + its norm
     draft_bytes = (block + 10 * 64) * 8 + 10 * 8  # the 10 lm_head rows of its vocabulary, and their ids
     assert (cats.min_resident_layers, cats.shallow_layers) == (1, 2)  # draft layers resident, shallow ones if room
@@ -114,15 +114,15 @@ def test_choose_bucket_from_io_and_compute():
 
 
 def test_the_budget_caps_the_tree_it_reserves():
-    from cats.memory.offload import memory_needs, plan_for
-    from cats.memory.speculation import BUCKETS
+    from cats.methods import memory_needs
+    from cats.model.weights.offload import plan_for
+    from cats.draft.sizing import BUCKETS
 
     model = tiny_model("llama")
     auto = lambda: memory_needs(model.config, torch.float64, "tree", context_tokens=32)  # noqa: E731
     roomy = plan_for(model.hf_model, 1 << 40, auto())
     assert roomy.needs.max_tree_tokens == BUCKETS[-1].total_tokens + 1
-    smallest = memory_needs(model.config, torch.float64, "tree", context_tokens=32,
-                            total_tokens=BUCKETS[0].total_tokens)
+    smallest = memory_needs(model.config, torch.float64, "tree", DraftConfig(total_tokens=BUCKETS[0].total_tokens), context_tokens=32)
     tight = plan_for(model.hf_model, plan_for(model.hf_model, 1 << 40, smallest).minimum, auto())
     assert tight.needs.max_tree_tokens == BUCKETS[0].total_tokens + 1  # only the smallest bucket's activations fit
     with pytest.raises(BudgetTooSmallError, match=f"activations \\({BUCKETS[0].total_tokens + 1}-token pass\\)"):

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from cats.errors import InvalidArgumentError
-from cats.generate import GenerationConfig, Generator
-from cats.memory import MemoryNeeds, StoreError, offload_model, plan_for
-from cats.memory.budget import STORE_ALIGNMENT
-from cats.memory.store import read_header, read_part, write_part
+from cats.config import GenerationConfig
+from cats.loop.generator import Generator
+from cats.model.weights import MemoryNeeds, StoreError, offload_model, plan_for
+from cats.model.weights.budget import STORE_ALIGNMENT
+from cats.model.weights.parts import read_header, read_part, write_part
 from cats.model.load import load_model
 from tests.conftest import hf_greedy, tiny_model
 

@@ -9,14 +9,18 @@ import shutil
 import pytest
 import torch
 
-from cats.draft import CONFIDENCE_STOP, EarlyExitDrafter, make_drafter
+from cats.methods import CONFIDENCE_STOP, make_drafter
+from cats.draft import EarlyExitDrafter
 from cats.errors import InvalidArgumentError
-from cats.generate import GenerationConfig, Generator
-from cats.memory import MemoryNeeds, offload_model, plan_for
-from cats.memory.rss import page_cache_bytes, peak_rss_bytes, reset_peak_rss
-from cats.memory.stream import LayerStreamer
+from cats.config import GenerationConfig
+from cats.loop.generator import Generator
+from cats.model.weights import MemoryNeeds, offload_model, plan_for
+from cats.model.weights.rss import page_cache_bytes, peak_rss_bytes, reset_peak_rss
+from cats.model.weights.stream import LayerStreamer
 from cats.model import LayeredModel
 from tests.conftest import VOCAB, hf_greedy, tiny_config
+from cats.config import DraftConfig
+from cats.config import MemoryConfig, KernelConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 LAYERS = 8
@@ -59,8 +63,8 @@ def prompts():
 
 @pytest.mark.parametrize("family, prompt_indices", [("llama", (0, 1)), ("qwen2-swa", (1,)), ("gemma3", (1,))])
 def test_every_method_is_lossless_while_streaming(family, prompt_indices, tmp_path):
-    from cats.cascade import make_scorer
-    from cats.draft.adapter import new_adapter
+    from cats.methods import make_scorer
+    from cats.model.adapter import new_adapter
 
     model = deep_model(family)
     chosen = [prompts()[i] for i in prompt_indices]
@@ -77,8 +81,8 @@ def test_every_method_is_lossless_while_streaming(family, prompt_indices, tmp_pa
     methods = [("ar", {}), ("pld", {"num_draft_tokens": 4}), ("early-exit", {"draft_layer": 1, "num_draft_tokens": 3}),
                ("tree", {"draft_layer": 1, "total_tokens": 12}), ("cats", {"adapters": str(adapters), "total_tokens": 8})]
     for method, options in methods:
-        drafter = make_drafter(method, model, **options)
-        scorer = make_scorer(method, model, drafter, options.get("adapters"))
+        drafter = make_drafter(method, model, DraftConfig(**options))
+        scorer = make_scorer(method, model, drafter, DraftConfig(adapters=options.get("adapters")))
         for prompt, reference in zip(chosen, expected):
             result = Generator(model, drafter, method=method, scorer=scorer).generate(
                 prompt, GenerationConfig(max_new_tokens=NEW_TOKENS))
@@ -89,8 +93,8 @@ def test_every_method_is_lossless_while_streaming(family, prompt_indices, tmp_pa
             assert counts["layers_read"] >= counts["acquires"] - 2  # at most the pool was read before it began
     assert all(p.device.type == "meta" for layer in model.layers[2:] for p in layer.parameters()), "dropped again"
     # a shallow verifier above the resident layers: [2, 4) stream in the same sweep, the cascade only prunes
-    drafter = make_drafter("cats", model, adapters=str(deep_shallow), total_tokens=8)
-    scorer = make_scorer("cats", model, drafter, str(deep_shallow))
+    drafter = make_drafter("cats", model, DraftConfig(adapters=str(deep_shallow), total_tokens=8))
+    scorer = make_scorer("cats", model, drafter, DraftConfig(adapters=str(deep_shallow)))
     assert scorer.corrections is False
     for prompt, reference in zip(chosen, expected):
         result = Generator(model, drafter, method="cats", scorer=scorer).generate(
@@ -104,7 +108,7 @@ def test_drafts_are_accepted_while_streaming():
     """The lossless test above must cover acceptance, not just rejection: one pass verifies several tokens."""
     model = deep_model("llama")
     offload(model, 1, MemoryNeeds(context_tokens=64, min_resident_layers=1, max_tree_tokens=17, prefetch=1))
-    result = Generator(model, make_drafter("tree", model, draft_layer=1)).generate(
+    result = Generator(model, make_drafter("tree", model, DraftConfig(draft_layer=1))).generate(
         prompts()[1], GenerationConfig(max_new_tokens=NEW_TOKENS))
     assert result.stats.mean_accepted > 1.5
     assert result.stats.offload["acquires"] == result.stats.target_forwards * (LAYERS - 1)
@@ -162,8 +166,8 @@ def test_drafter_needs_resident_draft_layers():
     model = deep_model("llama")
     offload(model, 1, MemoryNeeds(context_tokens=64, min_resident_layers=1, max_tree_tokens=9, prefetch=1))
     with pytest.raises(InvalidArgumentError, match=r"runs layers \[0, 3\) every draft step.*only \[0, 1\) resident"):
-        make_drafter("early-exit", model, draft_layer=3)
-    make_drafter("early-exit", model, draft_layer=1)
+        make_drafter("early-exit", model, DraftConfig(draft_layer=3))
+    make_drafter("early-exit", model, DraftConfig(draft_layer=1))
     model.close()
 
 
@@ -176,19 +180,19 @@ def test_planned_context_is_enforced():
 
 
 def test_speculation_bucket_is_chosen_once_from_the_measured_io():
-    from cats.memory.speculation import BUCKETS
+    from cats.draft.sizing import BUCKETS
 
     model = deep_model("llama")
     offload(model, 1, MemoryNeeds(context_tokens=64, min_resident_layers=1, max_tree_tokens=65, prefetch=1))
-    drafter = make_drafter("tree", model, draft_layer=1)
+    drafter = make_drafter("tree", model, DraftConfig(draft_layer=1))
     bucket, info = model._speculation[False]
     assert bucket in BUCKETS and (drafter.total_tokens, drafter.depth, drafter.tree_topk) == (
         bucket.total_tokens, bucket.depth, bucket.tree_topk)
     assert info["io_s_per_pass"] > 0 and set(info["compute_s"]) == {str(b.tree_pass_tokens) for b in BUCKETS}
-    assert make_drafter("tree", model, draft_layer=1, total_tokens=5).total_tokens == 5  # explicit wins
-    assert isinstance(make_drafter("early-exit", model, draft_layer=1), EarlyExitDrafter)
+    assert make_drafter("tree", model, DraftConfig(draft_layer=1, total_tokens=5)).total_tokens == 5  # explicit wins
+    assert isinstance(make_drafter("early-exit", model, DraftConfig(draft_layer=1)), EarlyExitDrafter)
     # the bucket caps the drafts; the confidence stop still applies (default) unless turned off
-    assert drafter.threshold == CONFIDENCE_STOP and make_drafter("tree", model, draft_layer=1, threshold=0.0).threshold == 0
+    assert drafter.threshold == CONFIDENCE_STOP and make_drafter("tree", model, DraftConfig(draft_layer=1, threshold=0.0)).threshold == 0
     model.close()
 
 
@@ -230,25 +234,23 @@ def test_cli_prints_the_plan_and_streaming_stats(capsys):
 
 def test_generate_api_under_a_budget(tmp_path):
     import cats
-    from cats.memory import memory_needs
+    from cats.methods import memory_needs
 
     model = deep_model("llama")
     folder = tmp_path / "model"
     model.hf_model.save_pretrained(folder)
     prompt = prompts()[1]
     expected = hf_greedy(model, prompt, 12)
-    needs = memory_needs(model.config, torch.float64, "tree", draft_layer=1, context_tokens=len(prompt) + 12,
-                         prompt_tokens=len(prompt))
+    needs = memory_needs(model.config, torch.float64, "tree", DraftConfig(draft_layer=1), context_tokens=len(prompt) + 12, prompt_tokens=len(prompt))
     budget = plan_for(model.hf_model, 1 << 40, needs).with_resident(2).planned_bytes
-    result = cats.generate(str(folder), prompt, method="tree", draft_layer=1, max_new_tokens=12, dtype="float64",
-                           memory_budget=budget)
+    result = cats.generate(str(folder), prompt, method="tree", generation=GenerationConfig(max_new_tokens=12), drafting=DraftConfig(draft_layer=1), memory=MemoryConfig(budget=budget), kernels=KernelConfig(dtype="float64"))
     assert result.token_ids == expected
     assert result.stats.offload["streamed_layers"] == [2, LAYERS] and result.stats.peak_rss_mb > 0
 
 
 def test_eagle_drafts_without_touching_streamed_layers():
     """Feature drafting runs no target layer: every pass streams the deep layers once, for several tokens."""
-    from cats.draft.feature import FeatureDrafter
+    from cats.draft.eagle import FeatureDrafter
     from tests.test_draft_feature import feature_adapter
 
     model = deep_model("llama")

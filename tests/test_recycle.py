@@ -7,13 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from cats.draft import make_drafter
+from cats.methods import make_drafter
 from cats.draft.base import DecodeState, Proposal
 from cats.draft.recycle import TokenRecyclingDrafter, TreeTemplate, graft
 from cats.errors import InvalidArgumentError
-from cats.generate import GenerationConfig, Generator
-from cats.memory.offload import memory_needs
+from cats.config import GenerationConfig
+from cats.loop.generator import Generator
+from cats.methods import memory_needs
 from tests.conftest import FAMILIES, VOCAB, hf_greedy, tiny_model
+from cats.config import DraftConfig
 
 NEW_TOKENS = 40
 
@@ -84,7 +86,7 @@ def test_recycle_equals_hf_greedy(family):
 
 
 def test_sampled_recycling_emits_plain_sampling_tokens():
-    """Its drafts are deterministic candidates: same seed, same tokens as plain sampling (`cats.acceptance`)."""
+    """Its drafts are deterministic candidates: same seed, same tokens as plain sampling (`cats.verify.acceptance`)."""
     model = tiny_model("qwen3", damp=0.1)
     drafter = TokenRecyclingDrafter(model.vocab_size)
     accepted = 0
@@ -99,11 +101,11 @@ def test_sampled_recycling_emits_plain_sampling_tokens():
 
 def test_recycle_settings_and_memory_needs():
     model = tiny_model("llama")
-    drafter = make_drafter("recycle", model, total_tokens=8, depth=3)
+    drafter = make_drafter("recycle", model, DraftConfig(total_tokens=8, depth=3))
     assert drafter.describe() == {"name": "recycle", "total_tokens": 8, "depth": 3, "candidates": 8}
     with pytest.raises(InvalidArgumentError, match="--total-tokens and --depth"):
-        make_drafter("recycle", model, num_draft_tokens=4)
+        make_drafter("recycle", model, DraftConfig(num_draft_tokens=4))
     with pytest.raises(InvalidArgumentError, match="--adapters"):
-        make_drafter("recycle", model, adapters="adapters")
-    needs = memory_needs(model.config, torch.float32, "recycle", total_tokens=24)
+        make_drafter("recycle", model, DraftConfig(adapters="adapters"))
+    needs = memory_needs(model.config, torch.float32, "recycle", DraftConfig(total_tokens=24))
     assert needs.min_resident_layers == 0 and needs.max_tree_tokens == 25

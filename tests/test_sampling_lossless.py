@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cats.acceptance import SpeculativeSampling
-from cats.cascade import CascadeScorer
+from cats.verify.acceptance import SpeculativeSampling
+from cats.verify.cascade import CascadeScorer
 from cats.draft import EarlyExitDrafter, PromptLookupDrafter, TreeDrafter
-from cats.draft.adapter import new_adapter
-from cats.draft.feature import FeatureDrafter
+from cats.model.adapter import new_adapter
+from cats.draft.eagle import FeatureDrafter
 from cats.errors import InvalidArgumentError
-from cats.generate import GenerationConfig, Generator
+from cats.config import GenerationConfig
+from cats.loop.generator import Generator
 from tests.conftest import tiny_model
 from tests.test_draft_feature import feature_adapter
 from tests.stats_helpers import first_tokens_distribution, sequence_pvalue
@@ -122,7 +123,7 @@ def test_deterministic_drafts_reproduce_plain_sampling_token_for_token(damped):
     to run) are one-hot candidates: the target's samples are keyed by seed and position, so the output is exactly
     plain sampling's for the same seed."""
     from cats.draft import LayerSkipDrafter, SkipSet
-    from cats.draft.dytc import DraftOption, DyTCDrafter
+    from cats.draft.dytc.scheduler import DraftOption, DyTCDrafter
     from tests.test_dytc import cycling
 
     adapter = new_adapter(damped, "draft", 1)

@@ -22,8 +22,10 @@ fastapi = pytest.importorskip("fastapi", reason="the server needs the serve extr
 uvicorn = pytest.importorskip("uvicorn", reason="the server needs the serve extra: pip install 'cats[serve]'")
 httpx = pytest.importorskip("httpx", reason="the server tests talk to it with httpx (the dev extra)")
 
-from cats.decode_options import default_temperature, sampling_available  # noqa: E402
-from cats.generate import GenerationConfig, Generator, encode_chat  # noqa: E402
+from cats.config import DEFAULT_TEMPERATURE  # noqa: E402
+from cats.config import GenerationConfig
+from cats.loop.generator import Generator
+from cats.prompts import encode_chat  # noqa: E402
 
 pytestmark = needs(STORIES_HF)
 
@@ -46,7 +48,7 @@ def model_dir(stories_chat_dir):
 def model(model_dir):
     import cats
 
-    return cats.load(str(model_dir))
+    return cats.load_model(str(model_dir))
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +114,8 @@ def test_models_and_health(client):
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["stories"]
     card = models["data"][0]["cats"]
     assert card["method"] == "pld" and card["acceptance"] == "exact" and card["context_length"] == 2048
-    assert card["sampling_available"] == sampling_available()
-    assert card["default_temperature"] == default_temperature()
+    assert card["sampling_available"] is True
+    assert card["default_temperature"] == DEFAULT_TEMPERATURE
     assert client.get("/v1/models/stories").json()["id"] == "stories"
     assert client.get("/v1/models/gpt-4").status_code == 404
     state = health(client)
@@ -215,18 +217,6 @@ def test_unknown_model_is_404(client):
                                              "code": "model_not_found"}
 
 
-@pytest.mark.skipif(sampling_available(), reason="this build samples: the sampled-request tests apply")
-def test_sampling_is_refused_where_the_build_has_none(client):
-    response = client.post("/v1/completions", json={"prompt": STORY, "temperature": 0.7, "max_tokens": 4})
-    assert response.status_code == 400
-    error = response.json()["error"]
-    assert error["param"] == "temperature" and error["code"] == "sampling_unavailable"
-    # no temperature: greedy, and the response says so
-    data = client.post("/v1/completions", json={"prompt": STORY, "max_tokens": 4}).json()
-    assert data["cats"]["temperature"] == 0.0 == default_temperature()
-
-
-@pytest.mark.skipif(not sampling_available(), reason="sampling is not in this build of GenerationConfig yet")
 def test_sampled_requests_pass_their_settings_on(client):
     body = {"prompt": STORY, "max_tokens": 24, "temperature": 0.9, "top_p": 0.95, "seed": 7}
     first, second = (client.post("/v1/completions", json=body).json() for _ in range(2))

@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from cats.generate import GenerationConfig, Generator
+from cats.config import GenerationConfig
+from cats.loop.generator import Generator
 from cats.serve.engine import Engine, GenerationSlot, QueueFullError, ShuttingDownError
 from tests.conftest import tiny_model
 

@@ -9,7 +9,7 @@ recycling's trees among its options).
 A difference is tolerated only where it is a numerical near-tie of the reference (top-2 logit gap < 1e-4 at the
 first differing position); such cases are counted and printed, never silently passed.
 
-In bfloat16 with packed weights on the AVX-512 kernels (row-invariant linears and attention, `cats.model.avx512`)
+In bfloat16 with packed weights on the AVX-512 kernels (row-invariant linears and attention, `cats.model.kernels.avx512`)
 there is no allowance at all: every method must reproduce the packed model's own plain greedy tokens exactly (`pld`
 in the default run, the others in the slow run; skipped where the kernels cannot run)."""
 
@@ -21,13 +21,15 @@ import pytest
 import torch
 
 import cats
-from cats.cascade import CascadeScorer
+from cats.verify.cascade import CascadeScorer
 from cats.draft import EarlyExitDrafter, LayerSkipDrafter, PromptLookupDrafter, SkipSet, TreeDrafter
-from cats.draft.dytc import DraftOption, DyTCDrafter
-from cats.draft.adapter import load_adapter, new_adapter
-from cats.draft.feature import FeatureDrafter
+from cats.draft.dytc.scheduler import DraftOption, DyTCDrafter
+from cats.model.adapter import load_adapter, new_adapter
+from cats.draft.eagle import FeatureDrafter
 from cats.draft.recycle import TokenRecyclingDrafter
-from cats.generate import GenerationConfig, Generator, encode_prompt
+from cats.config import GenerationConfig
+from cats.loop.generator import Generator
+from cats.prompts import encode_prompt
 from tests.conftest import MT_BENCH, REPO_ROOT, SMOLLM2, hf_greedy, needs
 
 pytestmark = [needs(SMOLLM2), needs(MT_BENCH)]
@@ -40,7 +42,7 @@ SKIP_04 = SkipSet(attention=(2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 17, 25, 26
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return cats.load(SMOLLM2, dtype="float32")
+    return cats.load_model(SMOLLM2, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -136,17 +138,17 @@ def test_smollm2_matches_transformers_greedy(smollm2, references, method, capsys
 
 # ---------------------------------------------------------------------------------------------------------------
 # bf16 with packed weights on the AVX-512 kernels: every linear and every few-query attention is row-invariant there
-# (cats.model.avx512), so speculative decoding must reproduce packed plain decoding exactly, with no near-tie allowance
+# (cats.model.kernels.avx512), so speculative decoding must reproduce packed plain decoding exactly, with no near-tie allowance
 
 
 @pytest.fixture(scope="module")
 def smollm2_bf16_packed():
-    from cats.model import avx512
+    from cats.model.kernels import avx512
 
     reason = avx512.unavailable(torch.bfloat16)
     if reason is not None:
         pytest.skip(f"AVX-512 bf16 kernels: {reason}")
-    return cats.load(SMOLLM2, dtype="bfloat16", pack_weights=True)
+    return cats.load_model(SMOLLM2, dtype="bfloat16", pack_weights=True)
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,12 @@ import torch
 
 import cats
 from cats.draft import EarlyExitDrafter
-from cats.draft.adapter import load_adapter, new_adapter
+from cats.model.adapter import load_adapter, new_adapter
 from cats.errors import InvalidArgumentError
-from cats.generate import GenerationConfig, Generator
-from cats.train.data import DataConfig, TrainingData, make_training_data
+from cats.config import GenerationConfig
+from cats.loop.generator import Generator
+from cats.train.data import DataConfig, make_training_data
+from cats.train.folder import TrainingData
 from cats.train.trainer import TrainConfig, chain_accept_lengths, evaluate, make_batches, soft_cross_entropy, train_adapter
 from tests.conftest import STORIES_HF, needs
 
@@ -27,7 +29,7 @@ PROMPTS = ["Lily saw a big red ball.", "Tom and his dog went to the park.", "The
 @pytest.fixture(scope="module")
 def model():
     torch.set_num_threads(1)
-    model = cats.load(STORIES_HF, dtype="float32")
+    model = cats.load_model(STORIES_HF, dtype="float32")
     model.tokenizer.chat_template = CHAT_TEMPLATE
     return model
 
@@ -122,7 +124,7 @@ def test_train_adapter_command_line(data, tmp_path):
 def test_feature_adapter_trains_on_final_features_and_drafts_losslessly(model, data, tmp_path):
     import shutil
 
-    from cats.draft.feature import FeatureDrafter
+    from cats.draft.eagle import FeatureDrafter
     from cats.train.data import make_features
 
     folder = shutil.copytree(data.path, tmp_path / "data")

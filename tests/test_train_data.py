@@ -14,11 +14,15 @@ import torch
 from safetensors.torch import load_file
 
 import cats
+from cats.cli.train import add_data_parser
 from cats.errors import InvalidArgumentError
 from cats.train import data as train_data
-from cats.train.data import DataConfig, TrainingData, generate_answers, make_training_data, sample_seed
-from cats.train.prompts import QUESTIONS, SHAREGPT, read_prompt_file
+from cats.train.data import DataConfig, make_training_data
+from cats.train.folder import TrainingData
+from cats.train.teacher import generate_answers, sample_seed
+from cats.prompts import QUESTIONS, SHAREGPT, read_prompt_file
 from tests.conftest import MT_BENCH, SHARED_DATA, STORIES_HF, needs, tiny_model
+from cats.config import GenerationConfig
 
 SHAREGPT_FILE = SHARED_DATA / "sharegpt" / "ShareGPT_V3_filtered_500.json"
 CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}\n{% endfor %}"
@@ -40,7 +44,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def model():
-    model = cats.load(STORIES_HF, dtype="float64")
+    model = cats.load_model(STORIES_HF, dtype="float64")
     model.tokenizer.chat_template = CHAT_TEMPLATE
     return model
 
@@ -183,7 +187,7 @@ def test_greedy_answers_are_the_targets_own_ar_decoding(model, tmp_path):
     model.hf_model.generation_config.eos_token_id = model.tokenizer.convert_tokens_to_ids("!")
     try:
         answers = generate_answers(model, prompts, 16, 0.0, [0] * len(prompts))
-        reference = [cats.generate(model, ids, method="ar", max_new_tokens=16).token_ids for ids in prompts]
+        reference = [cats.generate(model, ids, method="ar", generation=GenerationConfig(max_new_tokens=16)).token_ids for ids in prompts]
     finally:
         model.hf_model.generation_config.eos_token_id = saved
     assert answers == reference
@@ -311,7 +315,7 @@ def test_bad_settings_are_refused(model, tmp_path, change, message):
 
 
 def test_a_model_without_chat_template_is_refused(tmp_path):
-    plain = cats.load(STORIES_HF)
+    plain = cats.load_model(STORIES_HF)
     with pytest.raises(InvalidArgumentError, match="has no chat template; cats train data applies it"):
         make_training_data(plain, config(tmp_path))
 
@@ -334,7 +338,7 @@ def test_prompts_without_a_question_or_too_long_for_the_template_are_skipped(mod
 # ---------------------------------------------------------------- command line
 def run_cli(*argv) -> int:
     parser = argparse.ArgumentParser(prog="cats train")
-    train_data.add_data_parser(parser.add_subparsers(dest="step", required=True))
+    add_data_parser(parser.add_subparsers(dest="step", required=True))
     args = parser.parse_args(["data", *map(str, argv)])
     return args.run(args)
 

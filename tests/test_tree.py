@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from cats.draft import Proposal, TreeDrafter
-from cats.draft.adapter import new_adapter
-from cats.generate import GenerationConfig, Generator
+from cats.model.adapter import new_adapter
+from cats.config import GenerationConfig
+from cats.loop.generator import Generator
 from cats.tree import ancestors, chain_parents, depths, greedy_path, is_chain, verification_attend
-from cats.verify import GreedyAcceptance
+from cats.verify.acceptance import GreedyAcceptance
 from tests.conftest import FAMILIES, VOCAB, hf_greedy, tiny_model
 
 PARENTS = torch.tensor([-1, -1, 0, 2])  # x -> {n0, n1}, n0 -> n2 -> n3

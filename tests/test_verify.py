@@ -3,8 +3,8 @@ from __future__ import annotations
 import torch
 
 from cats.draft import Proposal
-from cats.stats import GenerationStats
-from cats.verify import GreedyAcceptance
+from cats.loop.stats import GenerationStats
+from cats.verify.acceptance import GreedyAcceptance
 
 
 def logits_with_argmax(argmaxes, vocab=10):

@@ -3,7 +3,7 @@
 Warping is transformers' (``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``, in that order):
 divide the logits by the temperature, keep the ``top_k`` largest (ties at the cut kept), then keep the smallest set
 of most likely tokens whose probability reaches ``top_p``. Plain sampling draws from `warp` of the target's logits;
-every speculative method keeps exactly that distribution (see `cats.acceptance`).
+every speculative method keeps exactly that distribution (see `cats.verify.acceptance`).
 
 One `Sampler` per generation, seeded from ``seed``, makes every random choice of a generation, so the same seed gives
 the same output for every method:

@@ -4,8 +4,8 @@ A method turns prompt token ids into new token ids (greedy, or sampled with the 
 turn's seed; stopping at an end-of-sequence token, which is kept, or at ``max_new_tokens``) and reports how many
 tokens each target forward committed. The runner times it.
 
-* CATS methods (every name in `cats.draft.METHODS`: ``ar``, ``pld``, ``early-exit``, and each new one as it lands):
-  `cats.generate.Generator` with the drafter from `cats.draft.make_drafter`.
+* CATS methods (every name in `cats.methods.METHODS`: ``ar``, ``pld``, ``early-exit``, and each new one as it lands):
+  `cats.loop.generator.Generator` with the drafter from `cats.methods.make_drafter`.
 * ``hf-ar``, ``hf-pld``, ``hf-early-exit``: transformers ``generate`` on the same weights (``model.hf_model``).
 * ``hf-offload``: transformers + accelerate's own offloading under ``--memory-budget`` (``device_map="auto"``,
   ``max_memory``, ``offload_folder``) with plain greedy ``generate``: what a user would reach for without CATS.
@@ -13,7 +13,7 @@ tokens each target forward committed. The runner times it.
   came from. llama.cpp computes with the quantised weights as stored (e.g. Q4_1 blocks), while CATS and
   transformers run the weights dequantised to float (``--dtype``), so its tokens may differ from theirs.
 
-``accept_lengths`` follows `cats.stats.GenerationStats`: tokens committed by each target forward *after* the first
+``accept_lengths`` follows `cats.loop.stats.GenerationStats`: tokens committed by each target forward *after* the first
 one (the first forward reads the prompt); plain decoding gives all ones.
 """
 
@@ -23,27 +23,33 @@ import importlib
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
 
-from cats.acceptance import check_acceptance, make_acceptance
-from cats.draft import METHODS as CATS_METHODS
-from cats.cascade import SV_THRESHOLD, make_scorer
-from cats.draft import default_draft_layer, make_drafter
+from cats.api import generator_for
+from cats.config import DraftConfig, GenerationConfig
+from cats.draft import default_draft_layer
 from cats.errors import CatsError, InvalidArgumentError, UnknownMethodError
-from cats.generate import GenerationConfig, Generator
+from cats.methods import METHODS as CATS_METHODS
+from cats.methods import memory_needs, method
 from cats.model import LayeredModel
-from cats.model.lean import packing_off
+from cats.model.kernels.packing import packing_off
+from cats.model.source import local_folder, resolve_dtype
+from cats.model.weights.budget import PartSizes, mib, parse_budget
+from cats.model.weights.offload import build_skeleton, plan_for
+from cats.model.weights.rss import bound_heap
 from cats.sampling import check_sampling
+from cats.verify.acceptance import check_acceptance, make_acceptance
+from cats.verify.cascade import SV_THRESHOLD
 
 HF_METHODS = ("hf-ar", "hf-pld", "hf-early-exit")
 OFFLOAD_METHODS = ("hf-offload",)
 UNBUDGETED = ("{name} holds the whole model in memory and cannot run under --memory-budget (hf-offload is "
               "transformers' own offloading under the budget)")
 LLAMA_CPP_METHODS = ("llama-cpp", "llama-cpp-pld")
-DEFAULT_PLD_TOKENS = 10  # the defaults of `cats.draft.make_drafter`, used for the baselines' equivalents too
+DEFAULT_PLD_TOKENS = 10  # the defaults of `cats.methods.make_drafter`, used for the baselines' equivalents too
 DEFAULT_EARLY_EXIT_TOKENS = 4
 LLAMA_CPP_MAX_CONTEXT = 4096  # llama.cpp preallocates its KV cache for n_ctx tokens; Spec-Bench prompts fit easily
 LLAMA_CPP_WEIGHTS_NOTE = (
@@ -123,7 +129,7 @@ class MethodSettings:
     max_ngram: int = 3
     adapters: str | None = None  # trained adapters folder: early-exit drafts through its draft adapter
     threshold: float | None = None  # early-exit / eagle / tree confidence stop (None: the method's default)
-    tree_topk: int | None = None  # None: the default, or chosen from the budget (cats.memory.speculation)
+    tree_topk: int | None = None  # None: the default, or chosen from the budget (cats.draft.sizing)
     total_tokens: int | None = None
     depth: int | None = None
     sv_threshold: float = SV_THRESHOLD  # the cascade's pruning threshold (method cats)
@@ -167,19 +173,10 @@ class CatsMethod(BenchMethod):
     def __init__(self, name: str, context: BenchContext):
         settings = context.settings
         self.name = name
-        chains = {} if name == "recycle" else dict(  # recycle's trees come from its table: only their size applies
-            num_draft_tokens=settings.num_draft_tokens, draft_layer=settings.draft_layer, tree_topk=settings.tree_topk)
-        self.drafter = make_drafter(name, context.model, max_ngram=settings.max_ngram, **chains,
-                                    **({"adapters": settings.adapters} if name not in ("ar", "pld", "layer-skip",
-                                                                                        "recycle") else {}),
-                                    **({"threshold": settings.threshold} if name not in ("ar", "pld", "dytc", "recycle")
-                                       else {}),
-                                    **({"sparsity": settings.sparsity} if name in ("layer-skip", "dytc") else {}),
-                                    total_tokens=settings.total_tokens, depth=settings.depth,
-                                    progress=context.progress)
-        self.scorer = make_scorer(name, context.model, self.drafter, settings.adapters, settings.sv_threshold,
-                                  settings.sv_passes if name == "cats" else 1)
-        self.generator = Generator(context.model, self.drafter, method=name, scorer=self.scorer)
+        applies = method(name).settings  # the shared settings this method takes (the rest are not its own)
+        drafting = DraftConfig(**{f.name: getattr(settings, f.name) for f in fields(DraftConfig) if f.name in applies})
+        self.generator = generator_for(context.model, name, drafting, progress=context.progress)
+        self.drafter, self.scorer = self.generator.drafter, self.generator.scorer
         self.sampling = settings.sampling
         if self.drafter is None:  # typical acceptance is about drafts: ar decodes exactly
             self.sampling = SamplingSettings(self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
@@ -307,12 +304,9 @@ class HfOffloadMethod(HfGenerateMethod):
 
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from cats.memory.budget import PartSizes, mib, parse_budget
-        from cats.memory.offload import build_skeleton, memory_needs, plan_for
-        from cats.model.load import _local_folder, resolve_dtype
 
         dtype = resolve_dtype(context.dtype)
-        folder = _local_folder(context.model_source)
+        folder = local_folder(context.model_source)
         config = AutoConfig.from_pretrained(folder)
         skeleton = build_skeleton(config, dtype)
         budget = parse_budget(context.memory_budget, PartSizes.of(skeleton).weights)
@@ -323,7 +317,6 @@ class HfOffloadMethod(HfGenerateMethod):
         if self.max_memory <= 0:
             raise MethodUnavailableError(f"{name}: the budget {mib(budget)} leaves nothing for weights after the KV "
                                          f"cache ({mib(plan.kv_bytes)}) and activations ({mib(plan.activation_bytes)})")
-        from cats.memory.rss import bound_heap
 
         bound_heap()  # the same allocator setting as CATS under a budget
         self.offload_folder = tempfile.mkdtemp(prefix="cats-hf-offload-")
@@ -358,7 +351,7 @@ class HfOffloadMethod(HfGenerateMethod):
 
 def find_gguf(model_source: str) -> Path | None:
     """The GGUF file behind ``--model``: the file itself, the single ``.gguf`` in a folder, or the source recorded
-    in a folder that `cats.model.load.convert_gguf` wrote. None when the model did not come from a GGUF file."""
+    in a folder that `cats.model.source.convert_gguf` wrote. None when the model did not come from a GGUF file."""
     path = Path(model_source).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         return path

@@ -28,18 +28,45 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from cats.acceptance import make_acceptance
-from cats.bench.answers import PARTIAL_SUFFIX, AnswerWriter, finish_file, new_answer, read_answers
+from cats.bench.answers import (
+    PARTIAL_SUFFIX,
+    AnswerWriter,
+    finish_file,
+    new_answer,
+    read_answers,
+)
 from cats.bench.memory import PeakRssSampler
-from cats.bench.methods import (HF_METHODS, LLAMA_CPP_METHODS, UNBUDGETED, BenchContext, BenchMethod, MethodSettings,
-                                MethodUnavailableError, make_method)
-from cats.bench.plots import ACCEPT_PLOT, SPEEDUP_PLOT, plot_accept_lengths, plot_speedup
+from cats.bench.methods import (
+    HF_METHODS,
+    LLAMA_CPP_METHODS,
+    UNBUDGETED,
+    BenchContext,
+    BenchMethod,
+    MethodSettings,
+    MethodUnavailableError,
+    make_method,
+)
+from cats.bench.plots import (
+    ACCEPT_PLOT,
+    SPEEDUP_PLOT,
+    plot_accept_lengths,
+    plot_speedup,
+)
 from cats.bench.prompts import Conversation, check_prompt_format
-from cats.bench.questions import Question, read_questions, select_questions
 from cats.bench.report import render_report
 from cats.bench.summary import summarize
 from cats.errors import InvalidArgumentError
+from cats.model import load_model
+from cats.model.kernels.packing import check_packing
+from cats.model.source import load_tokenizer, local_folder, resolve_dtype
+from cats.model.weights.budget import MIB, PartSizes, parse_budget
+from cats.model.weights.offload import build_skeleton, checkpoint_store
+from cats.model.weights.rss import evict_page_cache
+from cats.model.weights.rss import runtime_baseline as measure
+from cats.paths import IMPORT_ROOT
+from cats.prompts import Question, read_questions, select_questions
 from cats.sampling import check_sampling
+from cats.verify.acceptance import make_acceptance
 
 SUMMARY_FILE, REPORT_FILE = "summary.json", "report.md"
 TURN_MODES = ("first", "all")
@@ -72,8 +99,6 @@ class BenchConfig:
         sampling.validate()
         check_sampling(sampling.temperature, sampling.top_p, sampling.top_k, self.seed)
         if self.pack_weights:
-            from cats.model.lean import check_packing
-            from cats.model.load import resolve_dtype
 
             check_packing(resolve_dtype(self.dtype), self.memory_budget)
         if self.max_new_tokens < 1:
@@ -191,16 +216,14 @@ def run_bench(config: BenchConfig) -> dict:
 
 
 def runtime_baseline(model: str, threads: int) -> dict:
-    from cats.memory.rss import runtime_baseline as measure
 
     return measure(model, threads)
 
 
 def run_in_process(config: BenchConfig, questions: list[Question], out: Path, model_id: str):
     """Every method in this process on one loaded model, interleaved per question."""
-    import cats
 
-    model = cats.load(config.model, dtype=config.dtype, pack_weights=config.pack_weights)
+    model = load_model(config.model, dtype=config.dtype, pack_weights=config.pack_weights)
     check_prompt_format(model, config.prompt_format)
     context = BenchContext(model, config.model, config.settings, progress=config.progress)
 
@@ -274,14 +297,10 @@ def run_in_workers(config: BenchConfig, questions: list[Question], out: Path, mo
 
     from transformers import AutoConfig
 
-    from cats.memory.budget import MIB, PartSizes, parse_budget
-    from cats.memory.offload import build_skeleton, checkpoint_store
-    from cats.memory.rss import evict_page_cache
-    from cats.model.load import _local_folder, load_tokenizer, resolve_dtype
 
     tokenizer = load_tokenizer(config.model)
     check_prompt_format(SimpleNamespace(tokenizer=tokenizer, name=config.model), config.prompt_format)
-    folder = _local_folder(config.model)
+    folder = local_folder(config.model)
     dtype = resolve_dtype(config.dtype)
     skeleton = build_skeleton(AutoConfig.from_pretrained(folder), dtype)
     budget = parse_budget(config.memory_budget, PartSizes.of(skeleton).weights)
@@ -344,7 +363,7 @@ def run_in_workers(config: BenchConfig, questions: list[Question], out: Path, mo
 def _worker_environment() -> dict:
     """The worker imports this same CATS (a worktree's src/ too)."""
     environment = dict(os.environ)
-    source = str(Path(__file__).resolve().parents[2])
+    source = str(IMPORT_ROOT)
     environment["PYTHONPATH"] = source + os.pathsep + environment.get("PYTHONPATH", "")
     return environment
 

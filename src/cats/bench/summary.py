@@ -14,6 +14,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from cats.verify.cascade import ShallowCounts
+
 BASELINE_CANDIDATES = ("ar", "hf-ar")  # speedups are relative to the faster of these that ran
 REFERENCE_CANDIDATES = ("ar", "hf-ar")  # exact_match compares tokens with the first of these that ran
 
@@ -89,7 +91,6 @@ def answer_tokens(answer: dict) -> list:
 def shallow_totals(answers: Sequence[dict]) -> dict | None:
     """The cascade's shallow-verifier counters summed over every turn (precision, recall, F1 and keep rate
     recomputed from the sums); None when the method has no cascade."""
-    from cats.cascade import ShallowCounts
 
     turns = [counts for a in answers for counts in choice(a).get("shallow", [])]
     if not turns:
@@ -140,7 +141,7 @@ def offload_totals(answers: Sequence[dict]) -> dict | None:
 
 
 def within_budget(peak_rss_mb: float | None, budget_mb: float | None, baseline_mb: float | None) -> bool | None:
-    """The issue's bound: peak RSS <= budget x 1.1 + the runtime baseline."""
+    """The bound a budgeted run is held to: peak RSS <= budget x 1.1 + the runtime baseline."""
     if peak_rss_mb is None or budget_mb is None or baseline_mb is None:
         return None
     return peak_rss_mb <= budget_mb * 1.1 + baseline_mb

@@ -14,21 +14,30 @@ import sys
 import time
 from pathlib import Path
 
+from cats.api import prepare, quiet_transformers
+from cats.bench.answers import AnswerWriter
+from cats.bench.methods import (
+    BenchContext,
+    CatsMethod,
+    MethodSettings,
+    MethodUnavailableError,
+    SamplingSettings,
+    make_method,
+)
+from cats.bench.runner import BenchConfig, answer_question
+from cats.config import DraftConfig, KernelConfig, MemoryConfig
+from cats.errors import CatsError
+from cats.methods import METHODS as CATS_METHODS
+from cats.model.source import load_tokenizer
+from cats.model.weights.rss import page_cache_bytes, peak_rss_bytes, storage_read_bytes
+from cats.prompts import Question
+
 MIB = 1 << 20
 
 
 def run_job(job: dict) -> dict:
     import torch
 
-    from cats.bench.answers import AnswerWriter
-    from cats.bench.methods import (BenchContext, CatsMethod, MethodSettings, MethodUnavailableError, SamplingSettings,
-                                    make_method)
-    from cats.bench.questions import Question
-    from cats.bench.runner import BenchConfig, answer_question
-    from cats.draft import METHODS as CATS_METHODS
-    from cats.errors import CatsError
-    from cats.memory.rss import page_cache_bytes, peak_rss_bytes, storage_read_bytes
-    from cats.model.load import load_tokenizer
 
     torch.set_num_threads(job["threads"])
     settings = MethodSettings(**{**job["settings"],
@@ -42,13 +51,11 @@ def run_job(job: dict) -> dict:
     try:
         model, tokenizer = None, None
         if name in CATS_METHODS:
-            from cats.memory.offload import prepare
-
-            model = prepare(source, job["memory_budget"], dtype=job["dtype"], method=name, adapters=settings.adapters,
-                            draft_layer=settings.draft_layer, num_draft_tokens=settings.num_draft_tokens,
-                            total_tokens=settings.total_tokens, context_tokens=job["context_tokens"],
-                            prompt_tokens=job.get("prompt_tokens"), prefetch=job["prefetch"],
-                            offload_io=job["offload_io"])
+            drafting = DraftConfig(adapters=settings.adapters, draft_layer=settings.draft_layer,
+                                   num_draft_tokens=settings.num_draft_tokens, total_tokens=settings.total_tokens)
+            memory = MemoryConfig(budget=job["memory_budget"], offload_io=job["offload_io"], prefetch=job["prefetch"])
+            model = prepare(source, name, drafting, memory, KernelConfig(dtype=job["dtype"]),
+                            context_tokens=job["context_tokens"], prompt_tokens=job.get("prompt_tokens"))
             tokenizer = model.tokenizer  # one tokenizer in the process, as in the runtime baseline
             if job.get("progress") and model.memory_plan is not None:
                 print(model.memory_plan.describe(), file=sys.stderr, flush=True)
@@ -98,7 +105,6 @@ def run_job(job: dict) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from cats.cli import quiet_transformers
 
     quiet_transformers()
     job = json.loads(Path(argv[0]).read_text())

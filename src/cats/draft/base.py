@@ -7,7 +7,7 @@ Greedy decoding and typical acceptance: drafters choose their tokens determinist
 Speculative sampling: ``state.sampler`` is set, and a drafter with a draft distribution *draws* its tokens from
 q = ``sampler.probs(draft logits)`` with ``sampler`` (one generator per generation) and records each draw in
 ``Proposal.draws``; drafted tokens not covered by a `Draw` (prompt lookup, the cascade's corrections) are
-deterministic candidates (one-hot q). `cats.acceptance` states what a drafter may and may not base its choices on.
+deterministic candidates (one-hot q). `cats.verify.acceptance` states what a drafter may and may not base its choices on.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ target's weights and KV cache. The head is the target's own final norm + lm_head
 Drafting writes K/V of layers ``[0, layer)`` (and the adapter's own cache layer) for ``[x, d_1..d_k]``; the
 verifier reuses them and runs only the deep layers ``[layer, N)``, so no layer runs twice for the same token.
 
-With an *early-exit feature* adapter (input ``features+hidden``, see `cats.draft.adapter`) the adapter also reads the
-target's final features, as a feature draft (`cats.draft.feature`) does: its entry at position t is
+With an *early-exit feature* adapter (input ``features+hidden``, see `cats.model.adapter`) the adapter also reads the
+target's final features, as a feature draft (`cats.draft.eagle`) does: its entry at position t is
 ``[f_t, h_L(x_{t+1})]``. Each step first catches up over the committed tokens it has not seen, from the *true*
 features the loop hands over (``take_features``) and the layer-L states of x and of the accepted drafts (kept from
 the draft passes that computed them); each drafted d_i then gets the entry ``[the adapter's estimate of the feature
@@ -14,18 +14,18 @@ before it, h_L(d_i)]``. Draft entries are dropped after drafting: only true entr
 
 Greedy and typical acceptance: d_i is the draft's argmax. Speculative sampling (``state.sampler`` set): d_i is drawn
 from q_i = the draft's warped distribution, recorded as a one-candidate `Draw`. The confidence stop looks at q_i
-before d_i is drawn, so the draft length never depends on the drawn token itself (lossless, see `cats.acceptance`).
+before d_i is drawn, so the draft length never depends on the drawn token itself (lossless, see `cats.verify.acceptance`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from cats.draft.adapter import Adapter
-from cats.draft.base import DecodeState, Draw, Drafter, Proposal
-from cats.draft.feature import append_features
+from cats.draft.base import DecodeState, Drafter, Draw, Proposal
+from cats.draft.eagle import append_features
 from cats.errors import InvalidArgumentError
 from cats.model import LayeredModel
+from cats.model.adapter import Adapter
 
 
 def default_draft_layer(model: LayeredModel) -> int:
@@ -40,7 +40,7 @@ class EarlyExitDrafter(Drafter):
         model: the target.
         layer: exit layer L_d, in ``[1, num_layers)``: drafts use layers ``[0, L_d)``. With an adapter, its layer.
         num_tokens: maximum draft length k per step.
-        adapter: a trained draft adapter (see `cats.draft.adapter`); None = the target's own norm + lm_head.
+        adapter: a trained draft adapter (see `cats.model.adapter`); None = the target's own norm + lm_head.
         threshold: confidence stop: after the first drafted token, drafting stops before a token whose draft
             probability is below this (0 = always draft ``num_tokens``).
     """

@@ -13,7 +13,6 @@ import torch
 from cats.draft.base import DecodeState, Drafter, Proposal
 from cats.errors import InvalidArgumentError
 
-
 MATCH_EXTEND = 24  # how far back `lookup_match` measures a match (its length predicts how long the copy holds)
 
 

@@ -11,7 +11,7 @@ tree attention; every verified row then refreshes its token's table row, accepte
 
 The table starts empty and persists across generations of one drafter (the paper's hot start): it is a cache of
 what the target said, never a guess about it, so the output stays the target's (greedy: token for token; sampling:
-the tokens are deterministic candidates, see `cats.acceptance`). Drafting runs no model layer, so it costs the same
+the tokens are deterministic candidates, see `cats.verify.acceptance`). Drafting runs no model layer, so it costs the same
 under a memory budget and needs no resident layer.
 """
 

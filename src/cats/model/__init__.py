@@ -4,6 +4,7 @@ Nothing in this package knows about drafting or speculation: it runs layer range
 
 from cats.model.cache import KVCache
 from cats.model.layered import SUPPORTED_MODEL_TYPES, LayeredModel
-from cats.model.load import load_model, resolve_dtype
+from cats.model.load import load_model
+from cats.model.source import resolve_dtype
 
 __all__ = ["KVCache", "LayeredModel", "SUPPORTED_MODEL_TYPES", "load_model", "resolve_dtype"]

@@ -13,10 +13,17 @@ from dataclasses import dataclass
 import torch
 
 from cats.errors import UnsupportedArchitectureError
-from cats.model.avx512 import ATTENTION_QUERY_LIMIT
 from cats.model.cache import KVCache
-from cats.model.lean_layer import (exact_attention_default, fused_layer_forward, fused_ready, fused_unsupported,
-                                   lean_default, lean_layer_forward, lean_unsupported)
+from cats.model.kernels.avx512 import ATTENTION_QUERY_LIMIT
+from cats.model.kernels.layer_forward import (
+    exact_attention_default,
+    fused_layer_forward,
+    fused_ready,
+    fused_unsupported,
+    lean_default,
+    lean_layer_forward,
+    lean_unsupported,
+)
 
 # model_type -> family name shown to users. All of them keep their decoder in `model.model.layers`, the rotary
 # embedding in `model.model.rotary_emb`, the final norm in `model.model.norm` and the head in `model.lm_head`.
@@ -66,9 +73,9 @@ class LayeredModel:
         hf_model: the transformers ``*ForCausalLM`` module (weights live here, loaded once).
         tokenizer: its tokenizer, with the chat template.
         name: where the model came from (path or Hub id), for reports.
-        weights: under a memory budget, the `cats.memory.LayerStreamer` that makes streamed layers' parameters
+        weights: under a memory budget, the `cats.model.weights.LayerStreamer` that makes streamed layers' parameters
             real around each use (None: every layer is resident).
-        memory_plan: the `cats.memory.MemoryPlan` it runs under (None: no budget).
+        memory_plan: the `cats.model.weights.MemoryPlan` it runs under (None: no budget).
     """
 
     hf_model: torch.nn.Module
@@ -89,25 +96,16 @@ class LayeredModel:
         rotary_params = inspect.signature(self.decoder.rotary_emb.forward).parameters
         self._rotary_per_layer_type = "layer_type" in rotary_params
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
-        self.packed = False  # bf16 linears routed through prepacked oneDNN weights (`cats.model.lean.pack_linears`)
-        # the lean layer forward (`cats.model.lean_layer`) where the layer class has one; set False for the modules'
+        self.packed = False  # bf16 linears routed through prepacked oneDNN weights (`cats.model.kernels.packing.pack_linears`)
+        # the lean layer forward (`cats.model.kernels.layer_forward`) where the layer class has one; set False for the modules'
         # own forward (default: on unless CATS_LEAN=0)
         self.lean = lean_default()
         self.exact_attention = exact_attention_default()  # lean, but transformers' single-query attention (CATS_LEAN=exact)
         self._lean_layers = [lean_unsupported(layer) is None for layer in self.layers[: self.num_layers]]
-        # layers the whole-layer kernel can run once packed (`cats.model.lean_layer.fused_layer_forward`)
+        # layers the whole-layer kernel can run once packed (`cats.model.kernels.layer_forward.fused_layer_forward`)
         self._fused_layers = [fused_unsupported(layer) is None for layer in self.layers[: self.num_layers]]
         self._fused_head_dim = next((layer.self_attn.head_dim for layer, fused in zip(self.layers, self._fused_layers)
                                      if fused), 0)
-
-    # ------------------------------------------------------------------ loading
-    @classmethod
-    def from_pretrained(cls, model: str, **kwargs) -> "LayeredModel":
-        """Load from a local HF folder, a ``.gguf`` file (or a folder holding one) or a Hub id.
-        See `cats.model.load.load_model` for the keyword arguments."""
-        from cats.model.load import load_model
-
-        return load_model(model, **kwargs)
 
     def attach_weights(self, weights, plan) -> None:
         """Run under a memory plan, streaming its deep layers through ``weights`` (a `LayerStreamer` or None)."""

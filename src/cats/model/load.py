@@ -1,47 +1,22 @@
-"""Loading a target model from a local HF folder (safetensors), a GGUF file, or a Hugging Face Hub id.
-
-A GGUF file is dequantised by transformers once and saved as a safetensors folder under the CATS cache
-(``$CATS_CACHE``, default ``~/.cache/cats``), so every later load is a plain, fast safetensors load.
-"""
+"""Loading a target model as a `LayeredModel`: in memory, or under a memory budget (deep layers streamed), with
+the linears optionally packed for the CPU kernels. Where the files come from: `cats.model.source`."""
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import json
 import os
-import re
-import shutil
-import tempfile
-import warnings
-from pathlib import Path
 
 import torch
 
-from cats.errors import InvalidArgumentError, MissingDependencyError, ModelNotFoundError
+from cats.errors import InvalidArgumentError, ModelNotFoundError
+from cats.model.kernels.packing import check_packing, pack_linears
 from cats.model.layered import LayeredModel, check_supported
-
-DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-    "float64": torch.float64, "fp64": torch.float64,
-}
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return DTYPES[str(dtype).lower()]
-    except KeyError:
-        raise InvalidArgumentError(f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16, float64") from None
-
-
-def cache_root() -> Path:
-    """Where converted models and other derived files live: ``$CATS_CACHE`` or ``~/.cache/cats``."""
-    return Path(os.environ.get("CATS_CACHE") or Path.home() / ".cache" / "cats")
+from cats.model.source import (
+    first_line,
+    load_tokenizer_from,
+    local_folder,
+    resolve_dtype,
+)
+from cats.model.weights.offload import load_under_budget
 
 
 def load_model(
@@ -60,12 +35,12 @@ def load_model(
 
     With ``memory_budget`` (bytes, ``"300MiB"``, ``"1.5GB"`` or ``"50%"`` of the weight bytes) only the parts the
     plan keeps resident are read; the deep layers stream from a per-layer store made once under
-    ``$CATS_CACHE/layers`` (or ``layer_store``). ``memory_needs`` (`cats.memory.MemoryNeeds`, e.g. from
-    `cats.memory.memory_needs` for a method) says what else must fit; ``offload_io`` is ``buffered`` or
+    ``$CATS_CACHE/layers`` (or ``layer_store``). ``memory_needs`` (`cats.model.weights.MemoryNeeds`, e.g. from
+    `cats.methods.memory_needs` for a method) says what else must fit; ``offload_io`` is ``buffered`` or
     ``direct`` (see docs/memory.md). The plan is ``model.memory_plan``. ``tokenizer``: one already loaded for this
     model (e.g. to size the plan from the prompt), used instead of loading it again. ``pack_weights``
     (bfloat16 or float32): run the decoder layers' and the lm_head's linears through packed copies of their weights
-    (`cats.model.lean.pack_linears`), on the row-invariant AVX-512 kernels of `cats.model.avx512` where they run
+    (`cats.model.kernels.packing.pack_linears`), on the row-invariant AVX-512 kernels of `cats.model.kernels.avx512` where they run
     (attention over few tokens too), else on oneDNN; faster on CPUs, about the weights' size of extra memory.
 
     Raises:
@@ -76,157 +51,30 @@ def load_model(
     """
     torch_dtype = resolve_dtype(dtype)
     if pack_weights:
-        from cats.model.lean import check_packing
-
         check_packing(torch_dtype, memory_budget)
     if memory_budget is not None and device != "cpu":
         raise InvalidArgumentError(f"a memory budget streams layers into CPU memory; device {device!r} is not supported")
-    folder = _local_folder(str(model))
+    folder = local_folder(str(model))
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         config = AutoConfig.from_pretrained(folder)
     except (OSError, ValueError) as error:
-        raise ModelNotFoundError(f"cannot read a model config from {model!r}: {_first_line(error)}") from None
+        raise ModelNotFoundError(f"cannot read a model config from {model!r}: {first_line(error)}") from None
     check_supported(config)
     if tokenizer is None:
-        tokenizer = _tokenizer(folder, model)  # first: what it allocates then stays below the weights
+        tokenizer = load_tokenizer_from(folder, model)  # first: what it allocates then stays below the weights
     weights, plan = None, None
     if memory_budget is None:
         hf_model = AutoModelForCausalLM.from_pretrained(
             folder, dtype=torch_dtype, attn_implementation=attn_implementation
         ).to(device)
     else:
-        from cats.memory.offload import load_under_budget
-
         hf_model, plan, weights = load_under_budget(folder, config, torch_dtype, memory_budget, memory_needs,
                                                     offload_io, layer_store, attn_implementation)
     layered = LayeredModel(hf_model, tokenizer, name=str(model))
     layered.attach_weights(weights, plan)
     if pack_weights:
-        from cats.model.lean import pack_linears
-
         pack_linears(layered)
     return layered
 
-
-def load_tokenizer(model: str | os.PathLike):
-    """The tokenizer of ``model`` alone (None when it has none), e.g. to size a memory plan before loading."""
-    return _tokenizer(_local_folder(str(model)), model)
-
-
-def _tokenizer(folder: str, model):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError, TypeError) as error:
-        warnings.warn(f"model {model!r} has no usable tokenizer ({_first_line(error)}); only token ids work")
-        return None
-
-
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
-def _local_folder(model: str) -> str:
-    """Map the user's model argument to something ``from_pretrained`` can read without further guessing."""
-    path = Path(model).expanduser()
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise ModelNotFoundError(f"{model!r} is a file but not a .gguf file; pass a model folder, a .gguf file or a Hub id")
-        return str(convert_gguf(path))
-    if path.is_dir():
-        if (path / "config.json").is_file():
-            return str(path)
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return str(convert_gguf(ggufs[0]))
-        if len(ggufs) > 1:
-            names = ", ".join(p.name for p in ggufs)
-            raise ModelNotFoundError(f"folder {model!r} holds several .gguf files ({names}); pass one of them")
-        raise ModelNotFoundError(f"folder {model!r} has neither a config.json nor a .gguf file")
-    looks_like_path = model.startswith((".", "/", "~")) or model.lower().endswith(".gguf") or os.sep in model.strip("/").replace("/", "", 1)
-    if looks_like_path or not HUB_ID.match(model):
-        raise ModelNotFoundError(f"model path {model!r} does not exist")
-    return _hub_snapshot(model)
-
-
-def _hub_snapshot(repo_id: str) -> str:
-    """Download (or find in the HF cache) a Hub model's files; a clear error when neither works."""
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
-    except Exception as error:  # network errors, unknown repos, gated repos: all mean "cannot get it"
-        raise ModelNotFoundError(
-            f"{repo_id!r} is not a local path and could not be fetched from the Hugging Face Hub "
-            f"({type(error).__name__}: {_first_line(error)})"
-        ) from None
-
-
-def _file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _save_plain(hf_model, folder: Path) -> None:
-    """Save dequantised weights as a plain safetensors folder (``save_pretrained`` refuses GGUF-loaded models)."""
-    from safetensors.torch import save_model
-
-    config = hf_model.config.to_dict()
-    config.pop("quantization_config", None)
-    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    if getattr(hf_model, "generation_config", None) is not None:
-        hf_model.generation_config.save_pretrained(folder)
-    save_model(hf_model, str(folder / "model.safetensors"), metadata={"format": "pt"})  # tied weights stored once
-
-
-def _drop_out_of_vocabulary_token_ids(config, name: str) -> None:
-    """Some GGUF files (e.g. llama.cpp conversions of llama2.c models) store 0xFFFFFFFF for "no such token";
-    transformers would build an embedding with that padding index and fail. Such ids mean "none"."""
-    for key in ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and not 0 <= value < config.vocab_size:
-            warnings.warn(f"{name}: {key}={value} lies outside the {config.vocab_size}-token vocabulary; ignored")
-            setattr(config, key, None)
-
-
-def convert_gguf(gguf_path: Path) -> Path:
-    """Dequantise a GGUF file to a float32 safetensors folder in the cache, once; return that folder.
-
-    The folder name carries the file's SHA-256, so a changed file is converted again. Conversion writes to a
-    temporary folder and renames it into place, so an interrupted conversion never looks finished."""
-    if importlib.util.find_spec("gguf") is None:
-        raise MissingDependencyError(f"loading {gguf_path.name} needs the 'gguf' package: pip install gguf")
-    target = cache_root() / "gguf" / f"{gguf_path.stem}-{_file_digest(gguf_path)[:16]}"
-    if (target / "cats-source.json").is_file():
-        return target
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    try:
-        folder, name = str(gguf_path.parent), gguf_path.name
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
-        check_supported(config)
-        _drop_out_of_vocabulary_token_ids(config, name)
-        hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config, dtype=torch.float32)
-        _save_plain(hf_model, staging)
-        try:
-            AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(staging)
-        except Exception as error:  # some GGUF tokenizers (e.g. llama2.c conversions) are not readable by transformers
-            warnings.warn(f"could not convert the tokenizer of {name}: {_first_line(error)}")
-        (staging / "cats-source.json").write_text(json.dumps({"gguf": str(gguf_path.resolve())}, indent=2))
-        try:
-            staging.rename(target)
-        except OSError:  # another process finished the same conversion first
-            shutil.rmtree(staging, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return target

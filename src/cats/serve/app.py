@@ -21,12 +21,23 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import cats
-from cats.decode_options import OptionError, default_temperature, make_config, sampling_available
-from cats.detokenize import IncrementalDetokenizer
-from cats.generate import GenerationConfig, encode_chat
+from cats.config import (
+    DEFAULT_TEMPERATURE,
+    GenerationConfig,
+    OptionError,
+    request_config,
+)
+from cats.loop.text import IncrementalDetokenizer
+from cats.prompts import encode_chat
 from cats.serve.engine import Engine, QueueFullError, Run, ShuttingDownError
-from cats.serve.protocol import (FINISH_REASONS, APIError, ChatCompletionRequest, CompletionRequest, error_body,
-                                 validation_error)
+from cats.serve.protocol import (
+    FINISH_REASONS,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    validation_error,
+)
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions; chat defaults to the context left
 
@@ -141,7 +152,7 @@ class CompletionService:
         if limit is None:
             limit = room if chat else min(DEFAULT_COMPLETION_TOKENS, room)
         try:
-            return make_config(limit, body.stop_strings(), body.ignore_eos, body.temperature, body.top_p, body.top_k,
+            return request_config(limit, body.stop_strings(), body.ignore_eos, body.temperature, body.top_p, body.top_k,
                                body.seed)
         except OptionError as error:
             raise APIError(400, str(error), param=error.param,
@@ -182,8 +193,8 @@ class CompletionService:
         return {
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "cats",
             "cats": {"method": self.engine.generator.method, "acceptance": "exact",  # the server never runs typical
-                     "context_length": self.model.context_length, "sampling_available": sampling_available(),
-                     "default_temperature": default_temperature(), "max_queue": self.engine.max_queue,
+                     "context_length": self.model.context_length, "sampling_available": True,
+                     "default_temperature": DEFAULT_TEMPERATURE, "max_queue": self.engine.max_queue,
                      "version": cats.__version__},
         }
 

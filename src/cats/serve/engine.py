@@ -14,8 +14,9 @@ import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Sequence
 
-from cats.generate import GenerationConfig, Generator
-from cats.stats import GenerationStats
+from cats.config import GenerationConfig
+from cats.loop.generator import Generator
+from cats.loop.stats import GenerationStats
 
 
 class QueueFullError(Exception):

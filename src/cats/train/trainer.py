@@ -7,7 +7,7 @@ cost, and subsampling buys more optimizer steps (the first trial's finding). Ada
 decay, gradient clipping. Checkpoints (accelerate state + our position in the data) every N steps and at each
 epoch end; a rerun with the same arguments resumes from the last one.
 
-A feature draft adapter (``--input features``, EAGLE-style, see `cats.draft.adapter`) trains on the data's final
+A feature draft adapter (``--input features``, EAGLE-style, see `cats.model.adapter`) trains on the data's final
 features (``cats train features``): position t gets ``[f_t, e(x_{t+1})]`` and learns the target's distribution at
 t+1 (the token after next), plus ``--feature-loss`` times a smooth-L1 regression of its output to f_{t+1}.
 ``--input features+hidden`` is the same with the next token's state after ``--layer`` in place of its embedding.
@@ -23,22 +23,20 @@ never trained on (MT-Bench first turns answered by the target):
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from cats.draft.adapter import BLOCKS, INITS, INPUTS, ROLES, Adapter, new_adapter
 from cats.errors import InvalidArgumentError
 from cats.model import LayeredModel
+from cats.model.adapter import BLOCKS, INITS, INPUTS, ROLES, Adapter, new_adapter
 from cats.train.card import write_model_card
-from cats.train.data import TrainingData
+from cats.train.folder import TrainingData
 
 GAMMA = 6
 
@@ -393,66 +391,3 @@ def _checkpoint(accelerator, out: Path, state: dict, started: float) -> None:
         temporary.write_text(json.dumps(state))
         temporary.replace(folder / "cats-state.json")
 
-
-# ---------------------------------------------------------------------------------------------------------- CLI
-def add_adapter_parser(subparsers) -> None:
-    from cats.cli import add_model_arguments, integer
-
-    parser = subparsers.add_parser("adapter", help="train a draft or shallow adapter on `cats train data` output")
-    add_model_arguments(parser)
-    parser.add_argument("--data", type=Path, required=True, help="training data folder (cats train data)")
-    parser.add_argument("--eval-data", type=Path, default=None, help="held-out data folder (e.g. MT-Bench answers)")
-    parser.add_argument("--role", required=True, choices=ROLES)
-    parser.add_argument("--layer", type=integer, required=True, help="the adapter reads the state after this layer")
-    parser.add_argument("--out", type=Path, required=True, help="adapter folder to write")
-    parser.add_argument("--epochs", type=float, default=1.0)
-    parser.add_argument("--lr", type=float, default=1.5e-3)
-    parser.add_argument("--batch-tokens", type=integer, default=512)
-    parser.add_argument("--warmup-steps", type=integer, default=15)
-    parser.add_argument("--grad-clip", type=float, default=1.0)
-    parser.add_argument("--position-fraction", type=float, default=0.35,
-                        help="fraction of response positions that carry the loss in each batch")
-    parser.add_argument("--init", choices=INITS, default="next",
-                        help="next: the target's layer L (0-based, the one the adapter replaces); copy: its last layer")
-    parser.add_argument("--block", choices=BLOCKS, default="decoder", help="decoder (attention + MLP) or attention only")
-    parser.add_argument("--input", choices=INPUTS, default="hidden",
-                        help="hidden: the state after --layer; features: EAGLE-style feature draft adapter reading the "
-                             "final features and the next token (--role draft --layer <num layers>; needs "
-                             "`cats train features`); features+hidden: the final features and the next token's state "
-                             "after --layer (an early-exit draft adapter that also reads the target's features)")
-    parser.add_argument("--feature-loss", type=float, default=1.0,
-                        help="feature adapters: weight of the smooth-L1 regression to the next feature (default 1)")
-    parser.add_argument("--draft-vocab", type=integer, default=None,
-                        help="reduced vocabulary: the N most frequent response tokens of the data (e.g. 8192)")
-    parser.add_argument("--eval-every", type=integer, default=0, help="held-out evaluation every N steps (and each epoch)")
-    parser.add_argument("--checkpoint-every", type=integer, default=200)
-    parser.add_argument("--max-steps", type=integer, default=None)
-    parser.add_argument("--seed", type=integer, default=0)
-    parser.add_argument("--tensorboard", action="store_true", help="log to OUT/cats-adapter (needs tensorboard)")
-    parser.add_argument("--no-progress", action="store_true")
-    parser.set_defaults(run=run_adapter_command)
-
-
-def run_adapter_command(args: argparse.Namespace) -> int:
-    import cats
-    from cats.cli import default_model
-
-    if args.tensorboard:
-        import importlib.util
-
-        if importlib.util.find_spec("tensorboard") is None:
-            raise InvalidArgumentError("--tensorboard needs the tensorboard package: pip install tensorboard")
-    model = cats.load(args.model or default_model(), dtype="float32")
-    data = TrainingData.open(args.data, model=model)
-    eval_data = TrainingData.open(args.eval_data, model=model) if args.eval_data else None
-    config = TrainConfig(
-        role=args.role, layer=args.layer, out=args.out, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
-        warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, position_fraction=args.position_fraction,
-        init=args.init, block=args.block, draft_vocab=args.draft_vocab, eval_every=args.eval_every,
-        input=args.input, feature_loss=args.feature_loss,
-        checkpoint_every=args.checkpoint_every, max_steps=args.max_steps, seed=args.seed,
-        tensorboard=args.tensorboard, progress=not args.no_progress, command="cats " + " ".join(sys.argv[1:]),
-    )
-    out = train_adapter(model, data, config, eval_data)
-    print(f"wrote adapter {out}")
-    return 0

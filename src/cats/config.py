@@ -1,0 +1,142 @@
+"""The settings `cats.generate` takes, one dataclass per concern, each validated where it is made.
+
+* `GenerationConfig`: how many tokens, when to stop, greedy or sampled, and the acceptance rule;
+* `DraftConfig`: the drafter's settings (draft length and layer, adapters, tree shape, layer-skip sparsity, the
+  shallow verifier's cascade);
+* `MemoryConfig`: the memory budget and how streamed layers are read;
+* `KernelConfig`: the dtype a model is loaded in and whether its linears run on the packed CPU kernels.
+
+`request_config` turns what a user asks for (a server request, chat flags) into a `GenerationConfig`, with errors
+that name the option (`OptionError.param`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cats.errors import InvalidArgumentError
+from cats.model.weights.budget import DEFAULT_PREFETCH
+from cats.sampling import check_sampling
+from cats.verify.acceptance import check_acceptance, make_acceptance
+from cats.verify.cascade import SV_THRESHOLD
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
+DEFAULT_TEMPERATURE = 1.0  # of a request that names none (OpenAI's default)
+
+
+@dataclass
+class GenerationConfig:
+    """Generation settings (the `generate`-like keywords)."""
+
+    max_new_tokens: int = 128
+    stop: Sequence[str] = ()  # stop strings: generation ends after the token that completes one (kept in output)
+    eos_token_ids: set[int] | None = None  # None: the model's own end-of-sequence ids
+    ignore_eos: bool = False
+    temperature: float = 0.0  # 0 = greedy; > 0 = sample from the warped distribution
+    top_p: float = 1.0  # nucleus filtering (1 = off)
+    top_k: int = 0  # top-k filtering (0 = off)
+    seed: int | None = None  # seed of the generation's random stream (None: drawn from torch's global generator)
+    acceptance: str = "exact"  # "exact" (lossless) or "typical" (Medusa's posterior threshold; lossy, opt-in)
+    typical_tau: float | None = None  # typical acceptance: hard threshold (None: 0.09)
+    typical_alpha: float | None = None  # typical acceptance: entropy-scaled threshold factor (None: 0.3)
+
+    def validate(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise InvalidArgumentError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        if any(not s for s in self.stop):
+            raise InvalidArgumentError("stop strings must not be empty")
+        check_sampling(self.temperature, self.top_p, self.top_k, self.seed)
+        check_acceptance(self.acceptance, self.typical_tau, self.typical_alpha)
+        make_acceptance(self.acceptance, self.temperature, self.typical_tau, self.typical_alpha)  # range checks
+
+
+@dataclass
+class DraftConfig:
+    """The drafter's settings; None means the method's default (see `cats.methods`)."""
+
+    num_draft_tokens: int | None = None  # tokens drafted per step (pld 10, early-exit 4)
+    draft_layer: int | None = None  # early-exit layer L_d (default: depth / 8)
+    max_ngram: int = 3  # longest n-gram prompt lookup matches
+    adapters: str | None = None  # folder of trained adapters (draft/, early-exit/, feature/, shallow/)
+    threshold: float | None = None  # confidence stop (None: the method's default)
+    tree_topk: int | None = None  # tree shape: children per expanded node
+    total_tokens: int | None = None  # tree shape: nodes verified
+    depth: int | None = None  # tree shape: maximum depth
+    sparsity: float | Sequence[float] | None = None  # layer-skip's fraction of skipped sublayers (dytc: a list)
+    sv_threshold: float = SV_THRESHOLD  # cats: the shallow verifier prunes nodes it gives a probability below this
+    sv_passes: int = 1  # cats: shallow passes per deep pass
+
+    def validate(self) -> None:
+        if self.adapters is not None and not isinstance(self.adapters, str):
+            self.adapters = _path_text(self.adapters, "adapters")
+
+
+@dataclass
+class MemoryConfig:
+    """Running under a memory budget: ``budget`` in bytes, ``"300MiB"`` or ``"50%"`` of the weight bytes (None: no
+    budget); ``offload_io`` ``direct`` (O_DIRECT) or ``buffered``; ``prefetch`` streamed layers read ahead;
+    ``layer_store``: where the layer store lives (default ``$CATS_CACHE/layers``)."""
+
+    budget: str | int | None = None
+    offload_io: str = "direct"
+    prefetch: int = DEFAULT_PREFETCH
+    layer_store: str | None = None
+
+
+@dataclass
+class KernelConfig:
+    """How a model is loaded for compute: its ``dtype`` and whether its linears run on packed copies of their
+    weights on the row-invariant CPU kernels (``pack_weights``, bfloat16 or float32)."""
+
+    dtype: str = "float32"
+    pack_weights: bool = False
+
+
+def _path_text(value, name: str) -> str:
+    if hasattr(value, "__fspath__"):
+        return str(value)
+    raise InvalidArgumentError(f"{name} must be a folder path, got {type(value).__name__}")
+
+
+class OptionError(InvalidArgumentError):
+    """A bad decoding option; ``param`` names it (the server reports it to the client)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def request_config(
+    max_new_tokens: int,
+    stop: Sequence[str] = (),
+    ignore_eos: bool = False,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+) -> GenerationConfig:
+    """A validated `GenerationConfig` from a user's request; ``temperature=None`` means `DEFAULT_TEMPERATURE`.
+    top_p, top_k and seed are accepted with temperature 0 (OpenAI's API accepts them): greedy decoding does not
+    depend on them, so they are not passed on then."""
+    temperature = DEFAULT_TEMPERATURE if temperature is None else float(temperature)
+    if temperature < 0:
+        raise OptionError(f"temperature must be >= 0, got {temperature:g}", "temperature")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise OptionError(f"top_p must be in (0, 1], got {top_p:g}", "top_p")
+    if top_k is not None and top_k < 0:
+        raise OptionError(f"top_k must be >= 0, got {top_k}", "top_k")
+    sampling = {name: value for name, value in
+                (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed))
+                if value is not None}
+    if temperature == 0:  # greedy: top_p, top_k and seed change nothing (GenerationConfig refuses them there)
+        sampling = {"temperature": 0.0}
+    config = GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop), ignore_eos=ignore_eos, **sampling)
+    try:
+        config.validate()
+    except InvalidArgumentError as error:
+        param = next((name for name in ("max_new_tokens", "stop", *SAMPLING_FIELDS) if name in str(error)), None)
+        raise OptionError(str(error), {"max_new_tokens": "max_tokens"}.get(param, param)) from None
+    return config

@@ -1,0 +1,116 @@
+"""How much to speculate under a memory budget.
+
+When deep layers stream, every verification pass reads ``plan.bytes_per_pass`` from the store whatever it verifies,
+so a pass should verify as many tokens as it can while its compute still hides behind that read. A few fixed
+buckets (tree nodes, depth, children per node, chain length) are compared once, when the drafter is made:
+
+* ``io_s`` = bytes read per pass / the read bandwidth the streamer measured on its first reads;
+* ``compute_s(T)`` = the time of a T-token pass, estimated from one resident layer timed on T tokens (times the
+  number of layers) plus the lm_head on T rows;
+* the largest bucket with ``compute_s(T) <= io_s`` wins (the smallest when none fits): beyond it a bigger tree
+  would make the pass compute-bound and only the acceptance it adds would pay for it;
+* only buckets whose activations the memory plan reserved are candidates: the planner reserves the largest bucket
+  that still fits the budget (`cats.model.weights.offload.plan_for`), so a tight budget caps the tree.
+
+Without a budget (or when nothing streams) the first bucket is used: the defaults of ``tree`` and ``early-exit``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SpeculationBucket:
+    total_tokens: int  # tree nodes verified per pass
+    depth: int  # longest tree path
+    tree_topk: int  # children per expanded node
+    num_draft_tokens: int  # chain length (early-exit)
+
+    @property
+    def tree_pass_tokens(self) -> int:
+        return self.total_tokens + 1
+
+    @property
+    def chain_pass_tokens(self) -> int:
+        return self.num_draft_tokens + 1
+
+
+def pass_tokens(bucket: "SpeculationBucket", kind: str) -> int:
+    """Tokens one verification pass holds with this bucket: a chain (``chain``), a tree (``tree``), or a tree the
+    cascade may extend with a correction per node (``cascade``)."""
+    if kind == "chain":
+        return bucket.num_draft_tokens + 1
+    return (2 * bucket.total_tokens if kind == "cascade" else bucket.total_tokens) + 1
+
+
+BUCKETS = (
+    SpeculationBucket(total_tokens=16, depth=5, tree_topk=4, num_draft_tokens=4),
+    SpeculationBucket(total_tokens=32, depth=6, tree_topk=6, num_draft_tokens=6),
+    SpeculationBucket(total_tokens=64, depth=8, tree_topk=8, num_draft_tokens=8),
+)
+DEFAULT_BUCKET = BUCKETS[0]
+
+
+def choose_bucket(io_s: float, compute_s: Mapping[int, float], chain: bool = False,
+                  buckets: tuple[SpeculationBucket, ...] = BUCKETS) -> SpeculationBucket:
+    """The largest of ``buckets`` whose pass compute (``compute_s[tokens per pass]``) fits in the I/O time of a
+    pass (the smallest when none does)."""
+    chosen = buckets[0]
+    for bucket in buckets:
+        tokens = bucket.chain_pass_tokens if chain else bucket.tree_pass_tokens
+        if compute_s[tokens] <= io_s:
+            chosen = bucket
+    return chosen
+
+
+def time_pass(model, tokens: int, repeats: int = 3) -> float:
+    """Estimated seconds of a ``tokens``-token pass over every layer plus the lm_head: layer 0 (resident whenever
+    a drafter runs) timed on a scratch cache of 64 tokens, times the number of layers, plus the head."""
+    hidden_size = model.config.hidden_size
+    generator = torch.Generator().manual_seed(0)
+    best = float("inf")
+    with torch.inference_mode():
+        cache = model.new_cache()
+        context = torch.randn(1, 64, hidden_size, generator=generator).to(model.dtype) * 0.02
+        model.forward_layers(context, 0, 1, cache)
+        hidden = torch.randn(1, tokens, hidden_size, generator=generator).to(model.dtype) * 0.02
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model.forward_layers(hidden, 0, 1, cache)
+            layer_s = time.perf_counter() - start
+            cache.crop(64)
+            start = time.perf_counter()
+            model.head(hidden[0])
+            head_s = time.perf_counter() - start
+            best = min(best, layer_s * model.num_layers + head_s)
+    return best
+
+
+def speculation_for(model, chain: bool = False) -> tuple[SpeculationBucket, dict]:
+    """The bucket for ``model`` (chosen once per model and kind, then reused) and why it was chosen."""
+    cache = model.__dict__.setdefault("_speculation", {})
+    if chain in cache:
+        return cache[chain]
+    plan, weights = model.memory_plan, model.weights
+    if plan is None or weights is None:
+        cache[chain] = (DEFAULT_BUCKET, {"reason": "no layer streams: default speculation"})
+        return cache[chain]
+    # the buckets whose activations the plan reserved (all of them if it was made for another draft size)
+    kind = "chain" if chain else (plan.needs.speculation if plan.needs.speculation in ("tree", "cascade") else "tree")
+    allowed = tuple(b for b in BUCKETS if pass_tokens(b, kind) <= plan.needs.max_tree_tokens) or BUCKETS[:1]
+    bandwidth = weights.wait_for_bandwidth()
+    io_s = plan.bytes_per_pass / bandwidth
+    sizes = sorted({b.chain_pass_tokens if chain else b.tree_pass_tokens for b in allowed})
+    compute_s = {tokens: time_pass(model, tokens) for tokens in sizes}
+    bucket = choose_bucket(io_s, compute_s, chain, allowed)
+    info = {"reason": "largest bucket whose pass compute fits in the pass's read time", "buckets_planned": len(allowed),
+            "io_s_per_pass": round(io_s, 4),
+            "read_mb_per_s": round(bandwidth / 2**20, 1), "compute_s": {str(k): round(v, 4) for k, v in compute_s.items()},
+            "bucket": asdict(bucket)}
+    cache[chain] = (bucket, info)
+    return cache[chain]

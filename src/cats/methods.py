@@ -1,0 +1,425 @@
+"""The method registry: every decoding method CATS knows, in one place.
+
+A `Method` says what a method is to every part of CATS: how its drafter is made (``make``), which `DraftConfig`
+settings apply to it (the rest are refused, never ignored), what it needs resident under a memory budget
+(``needs``), whether the shallow verifier's cascade scores its drafts, and the one line the CLI, ``cats bench`` and
+``cats serve`` show for it. Adding a method: its drafter in ``cats/draft/``, one entry in `METHODS`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cats.config import DraftConfig
+from cats.draft.base import Drafter
+from cats.draft.dytc import make_dytc
+from cats.draft.eagle import TOTAL_TOKENS as EAGLE_TOKENS
+from cats.draft.eagle import FeatureDrafter
+from cats.draft.early_exit import EarlyExitDrafter, default_draft_layer
+from cats.draft.layer_skip.calibration import load_or_calibrate
+from cats.draft.layer_skip.drafter import LayerSkipDrafter
+from cats.draft.prompt_lookup import PromptLookupDrafter
+from cats.draft.recycle import DEPTH as RECYCLE_DEPTH
+from cats.draft.recycle import TOTAL_TOKENS as RECYCLE_TOKENS
+from cats.draft.recycle import TokenRecyclingDrafter
+from cats.draft.sizing import BUCKETS, pass_tokens, speculation_for
+from cats.draft.tree import TreeDrafter
+from cats.errors import InvalidArgumentError, UnknownMethodError
+from cats.model import LayeredModel
+from cats.model.adapter import (
+    AdapterError,
+    find_adapter,
+    find_draft_adapter,
+    load_adapter,
+)
+from cats.model.weights.budget import (
+    DEFAULT_CONTEXT_TOKENS,
+    DEFAULT_PREFETCH,
+    MemoryNeeds,
+    numel,
+)
+from cats.model.weights.offload import check_resident
+from cats.model.weights.parts import read_header
+from cats.verify.cascade import make_cascade
+from cats.verify.scorer import TargetScorer
+
+LAYER_SKIP_SPARSITY = 0.4
+DYTC_SPARSITIES = (0.4, 0.6)
+
+# The default confidence stop (``--threshold``) of the adapter drafters: a chain stops before a token whose draft
+# probability is below it, a tree stops expanding when its best path's is. Chosen by measurement on SmolLM2, bf16
+# and float32 (docs/benchmarks.md): a draft pass costs ~0.1 of a forward, so an unlikely token costs more than it
+# earns; 0.4 and 0.6 measured alike, 0 (always draft the full length) was the slowest. Under a memory budget it
+# measured better than 0 at 110 % and the same at 50 % (float32).
+CONFIDENCE_STOP = 0.4
+
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    summary: str  # one line: CLI help, bench and server listings
+    make: Callable[[LayeredModel, DraftConfig, float, bool], Drafter | None]  # (model, drafting, threshold, progress)
+    needs: Callable[[MemoryNeeds, object, int, DraftConfig], None]  # fills what it needs under a budget
+    settings: frozenset[str] = frozenset()  # the DraftConfig fields that apply
+    threshold: float = 0.0  # the default confidence stop
+    all_layers: bool = False  # drafts through every target layer (refuses a model that streams layers)
+    cascade: bool = False  # scored through the shallow verifier's cascade
+
+
+# ----------------------------------------------------------------------------------------------- drafters
+def _draft_adapter(adapters: str | None, model: LayeredModel, early_exit: bool = False):
+    """The draft adapter of an adapters folder (``DIR/draft/``, or DIR itself); for early exit its own
+    ``DIR/early-exit/`` (an early-exit feature adapter, input ``features+hidden``) when there is one."""
+    if adapters is None:
+        return None
+    return load_adapter(find_draft_adapter(adapters, early_exit), model, role="draft")
+
+
+def _feature_adapter(adapters: str | None, model: LayeredModel):
+    """The feature draft adapter of an adapters folder (``DIR/feature/``, or DIR itself when it is one), else None."""
+    if adapters is None:
+        return None
+    try:
+        folder = find_adapter(adapters, "feature")
+        if folder == Path(adapters) and json.loads((folder / "config.json").read_text()).get("input") != "features":
+            return None  # DIR itself is an adapter of another kind
+    except (AdapterError, ValueError):
+        return None
+    return load_adapter(folder, model, role="draft", layer=model.num_layers)
+
+
+def _sparsities(value: float | Sequence[float] | None, default: tuple[float, ...]) -> tuple[float, ...]:
+    if value is None:
+        return default
+    values = (value,) if isinstance(value, (int, float)) else tuple(value)
+    if not values:
+        raise InvalidArgumentError("--sparsity is empty")
+    for v in values:
+        if not 0.0 < float(v) < 1.0:
+            raise InvalidArgumentError(f"sparsity must lie in (0, 1), got {v}")
+    if len(set(values)) != len(values):
+        raise InvalidArgumentError(f"--sparsity repeats a value: {', '.join(map(str, values))}")
+    return tuple(float(v) for v in values)
+
+
+def make_layer_skip(model: LayeredModel, sparsity: float, num_tokens: int = 4, threshold: float = 0.0,
+                    assist: Drafter | None = None, progress: bool = True) -> LayerSkipDrafter:
+    """A layer-skip drafter with the model's cached (or newly calibrated) skip set at ``sparsity``."""
+    result = load_or_calibrate(model, sparsity, progress=progress)
+    return LayerSkipDrafter(model, result.skip, num_tokens=num_tokens, assist=assist, threshold=threshold,
+                            sparsity=sparsity, agreement=result.agreement)
+
+
+def _no_adapters(name: str, d: DraftConfig) -> None:
+    if d.adapters is not None or d.threshold:
+        raise InvalidArgumentError(f"--adapters and --threshold apply to early-exit and tree drafting, not to {name!r}")
+
+
+def _ar(model, d: DraftConfig, threshold, progress):
+    _no_adapters("ar", d)
+    return None
+
+
+def _pld(model, d: DraftConfig, threshold, progress):
+    _no_adapters("pld", d)
+    return PromptLookupDrafter(num_tokens=d.num_draft_tokens or 10, max_ngram=d.max_ngram)
+
+
+def _recycle(model, d: DraftConfig, threshold, progress):
+    _no_adapters("recycle", d)
+    if d.num_draft_tokens is not None or d.draft_layer is not None or d.tree_topk is not None:
+        raise InvalidArgumentError("recycle drafts trees from a table (8 candidates per token): its shape is "
+                                   "--total-tokens and --depth; --num-draft-tokens, --draft-layer and --tree-topk "
+                                   "do not apply")
+    return TokenRecyclingDrafter(model.vocab_size, total_tokens=d.total_tokens or RECYCLE_TOKENS,
+                                 depth=d.depth or RECYCLE_DEPTH)
+
+
+def _layer_skip(model, d: DraftConfig, threshold, progress):
+    if d.adapters is not None:
+        raise InvalidArgumentError("--adapters does not apply to layer-skip (it needs no training); use dytc to "
+                                   "combine layer skipping with the draft adapter")
+    values = _sparsities(d.sparsity, (LAYER_SKIP_SPARSITY,))
+    if len(values) != 1:
+        raise InvalidArgumentError(f"layer-skip takes one sparsity, got {', '.join(map(str, values))}")
+    return make_layer_skip(model, values[0], num_tokens=d.num_draft_tokens or 4, threshold=threshold,
+                           progress=progress)
+
+
+def _dytc(model, d: DraftConfig, threshold, progress):
+    if threshold:
+        raise InvalidArgumentError("--threshold does not apply to dytc: the scheduler chooses draft lengths itself")
+    bucket = speculation_for(model)[0]  # the default shape: nothing streams here
+    feature = _feature_adapter(d.adapters, model)  # a feature/ adapter in DIR is used instead of draft/
+    return make_dytc(model, _sparsities(d.sparsity, DYTC_SPARSITIES), feature_adapter=feature,
+                     adapter=_draft_adapter(d.adapters, model) if feature is None else None,
+                     max_ngram=d.max_ngram, num_tokens=d.num_draft_tokens,
+                     tree_topk=bucket.tree_topk if d.tree_topk is None else d.tree_topk,
+                     total_tokens=bucket.total_tokens if d.total_tokens is None else d.total_tokens,
+                     depth=bucket.depth if d.depth is None else d.depth, progress=progress)
+
+
+def _eagle(model, d: DraftConfig, threshold, progress):
+    """The feature draft adapter of ``adapters`` (``DIR/feature/`` or an adapter folder itself), EAGLE-style."""
+    if d.adapters is None:
+        raise InvalidArgumentError("method 'eagle' needs --adapters DIR holding a trained feature/ adapter "
+                                   "(cats train adapter --input features)")
+    if d.num_draft_tokens is not None or d.draft_layer is not None:
+        raise InvalidArgumentError("eagle drafts from the target's final features: --draft-layer does not apply, and "
+                                   "its draft length is --depth (a chain: --tree-topk 1)")
+    adapter = load_adapter(find_adapter(d.adapters, "feature"), model, role="draft", layer=model.num_layers)
+    shape = {key: value for key, value in (("tree_topk", d.tree_topk), ("total_tokens", d.total_tokens),
+                                           ("depth", d.depth)) if value is not None}  # the rest: the drafter's
+    return FeatureDrafter(model, adapter, threshold=threshold, **shape)
+
+
+def _early_exit_layer(model, d: DraftConfig, adapter) -> None:
+    """Under a memory budget the draft layers must be resident (an out-of-range layer is the drafter's error)."""
+    layer = adapter.config.layer if adapter is not None else d.draft_layer
+    layer = default_draft_layer(model) if layer is None else layer
+    if 1 <= layer < model.num_layers:
+        check_resident(model, layer, f"drafting from layer {layer}")
+
+
+def _early_exit(model, d: DraftConfig, threshold, progress):
+    adapter = _draft_adapter(d.adapters, model, early_exit=True)
+    _early_exit_layer(model, d, adapter)
+    num_tokens, chosen = d.num_draft_tokens, None
+    if num_tokens is None:
+        chosen = speculation_for(model, chain=True)
+        num_tokens = chosen[0].num_draft_tokens
+    drafter = EarlyExitDrafter(model, layer=d.draft_layer, num_tokens=num_tokens, adapter=adapter, threshold=threshold)
+    return _with_speculation(model, drafter, chosen)
+
+
+def _tree(model, d: DraftConfig, threshold, progress):
+    adapter = _draft_adapter(d.adapters, model)
+    _early_exit_layer(model, d, adapter)
+    tree_topk, total_tokens, depth, chosen = d.tree_topk, d.total_tokens, d.depth, None
+    if None in (tree_topk, total_tokens, depth):
+        chosen = speculation_for(model)
+        tree_topk = chosen[0].tree_topk if tree_topk is None else tree_topk
+        total_tokens = chosen[0].total_tokens if total_tokens is None else total_tokens
+        depth = chosen[0].depth if depth is None else depth
+    drafter = TreeDrafter(model, layer=d.draft_layer, adapter=adapter, tree_topk=tree_topk,
+                          total_tokens=total_tokens, depth=depth, threshold=threshold)
+    return _with_speculation(model, drafter, chosen)
+
+
+def _with_speculation(model, drafter, chosen):
+    if chosen is not None and model.memory_plan is not None:
+        drafter.speculation = chosen[1]
+    return drafter
+
+
+def _cats(model, d: DraftConfig, threshold, progress):
+    if d.adapters is None:
+        raise InvalidArgumentError("method 'cats' needs --adapters DIR holding trained draft/ and shallow/ adapters "
+                                   "(cats train adapter); without adapters use tree or early-exit")
+    return _tree(model, d, threshold, progress)
+
+
+def _cats_no_shallow(model, d: DraftConfig, threshold, progress):
+    if d.adapters is None:
+        raise InvalidArgumentError("method 'cats-no-shallow' needs --adapters DIR holding trained draft/ and shallow/ "
+                                   "adapters (cats train adapter); without adapters use tree or early-exit")
+    return _tree(model, d, threshold, progress)
+
+
+# ----------------------------------------------------------------------------------------------- memory needs
+def adapter_bytes(folder: Path, hidden_size: int, itemsize: int) -> tuple[int, int]:
+    """``(layer, resident bytes)`` of an adapter folder: its block and norm in the model's dtype, plus the lm_head
+    rows it gathers once for a reduced draft vocabulary."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise AdapterError(f"cannot read adapter config {folder / 'config.json'}: {error}") from None
+    header = read_header(folder / "model.safetensors")
+    values = sum(numel(e.shape) for e in header.entries.values())
+    vocab = config.get("vocab_subset") or []
+    return int(config["layer"]), values * itemsize + len(vocab) * (hidden_size * itemsize + 8)
+
+
+def _no_needs(needs: MemoryNeeds, config, itemsize: int, d: DraftConfig) -> None:
+    pass
+
+
+def _pld_needs(needs, config, itemsize, d):
+    needs.max_tree_tokens = (d.num_draft_tokens or 10) + 1
+
+
+def _recycle_needs(needs, config, itemsize, d):  # drafts from its table: no layer must stay resident
+    needs.max_tree_tokens = (d.total_tokens or RECYCLE_TOKENS) + 1
+
+
+def _eagle_needs(needs, config, itemsize, d):  # drafts from the final features: no target layer must stay
+    if d.adapters is not None:
+        needs.adapter_bytes += adapter_bytes(find_adapter(d.adapters, "feature"), config.hidden_size, itemsize)[1]
+        needs.extra_cache_layers += 1
+    needs.max_tree_tokens = (d.total_tokens or EAGLE_TOKENS) + 1  # a fixed tree size, not left to the budget
+
+
+def _adapter_needs(needs, config, itemsize, d, early_exit: bool = False, shallow: bool = False) -> list[int]:
+    """The resident adapters' bytes; returns the draft adapter's layer (empty without adapters)."""
+    layers = []
+    if d.adapters is None:
+        return layers
+    layer, size = adapter_bytes(find_draft_adapter(d.adapters, early_exit), config.hidden_size, itemsize)
+    layers.append(layer)
+    needs.adapter_bytes += size
+    needs.extra_cache_layers += 1
+    if shallow:
+        layer, size = adapter_bytes(find_adapter(d.adapters, "shallow"), config.hidden_size, itemsize)
+        needs.shallow_layers = layer
+        needs.adapter_bytes += size
+        needs.extra_cache_layers += 1
+    return layers
+
+
+def _speculation_needs(needs, kind: str) -> None:
+    needs.speculation = kind  # left to the budget: plan_for reserves the largest bucket that fits
+    needs.pass_sizes = tuple(pass_tokens(bucket, kind) for bucket in BUCKETS)
+    needs.max_tree_tokens = max(needs.pass_sizes)
+
+
+def _early_exit_needs(needs, config, itemsize, d):
+    layers = _adapter_needs(needs, config, itemsize, d, early_exit=True)
+    needs.min_resident_layers = _draft_layers(layers, config, d)
+    if d.num_draft_tokens is not None:
+        needs.max_tree_tokens = d.num_draft_tokens + 1
+    else:
+        _speculation_needs(needs, "chain")
+
+
+def _tree_needs(needs, config, itemsize, d, shallow: bool = False):
+    layers = _adapter_needs(needs, config, itemsize, d, shallow=shallow)
+    needs.min_resident_layers = _draft_layers(layers, config, d)
+    if d.total_tokens is not None:
+        needs.max_tree_tokens = (2 * d.total_tokens if shallow else d.total_tokens) + 1  # cats: + corrections
+    else:
+        _speculation_needs(needs, "cascade" if shallow else "tree")
+
+
+def _cats_needs(needs, config, itemsize, d):
+    _tree_needs(needs, config, itemsize, d, shallow=True)
+
+
+def _all_layer_needs(needs, config, itemsize, d):  # they draft through every layer: all of them must stay resident
+    _adapter_needs(needs, config, itemsize, d)
+    needs.min_resident_layers = config.num_hidden_layers
+
+
+def _dytc_needs(needs, config, itemsize, d):
+    _all_layer_needs(needs, config, itemsize, d)
+    if d.total_tokens is not None:
+        needs.max_tree_tokens = d.total_tokens + 1
+    else:
+        _speculation_needs(needs, "tree")
+
+
+def _draft_layers(layers: list[int], config, d: DraftConfig) -> int:
+    if not layers:
+        layers = [d.draft_layer if d.draft_layer is not None else max(1, config.num_hidden_layers // 8)]
+    return min(max(layers), config.num_hidden_layers)
+
+
+# ----------------------------------------------------------------------------------------------- the registry
+_TREE = frozenset({"draft_layer", "adapters", "threshold", "tree_topk", "total_tokens", "depth"})
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("ar", "plain decoding", _ar, _no_needs),
+    Method("pld", "prompt lookup", _pld, _pld_needs, frozenset({"num_draft_tokens", "max_ngram"})),
+    Method("early-exit", "chain from the early exit", _early_exit, _early_exit_needs,
+           frozenset({"num_draft_tokens", "draft_layer", "adapters", "threshold"}), CONFIDENCE_STOP),
+    Method("tree", "dynamic draft tree from the early exit", _tree, _tree_needs, _TREE, CONFIDENCE_STOP),
+    Method("cats", "draft adapter + tree + shallow-verifier cascade; needs --adapters", _cats, _cats_needs,
+           _TREE | {"sv_threshold", "sv_passes"}, CONFIDENCE_STOP, cascade=True),
+    Method("cats-no-shallow", "cats without the shallow-verifier cascade", _cats_no_shallow, _tree_needs, _TREE,
+           CONFIDENCE_STOP),
+    Method("layer-skip", "calibrated sublayers skipped", _layer_skip, _all_layer_needs,
+           frozenset({"num_draft_tokens", "threshold", "sparsity"}), all_layers=True),
+    Method("dytc", "scheduler over prompt lookup, token recycling, layer skipping and, with --adapters, the draft "
+           "adapter", _dytc, _dytc_needs, frozenset({"num_draft_tokens", "max_ngram", "adapters", "tree_topk",
+                                                      "total_tokens", "depth", "sparsity"}), all_layers=True),
+    Method("eagle", "trees from the feature draft adapter in --adapters, which reads the target's final features; "
+           "chain: --tree-topk 1", _eagle, _eagle_needs,
+           frozenset({"adapters", "threshold", "tree_topk", "total_tokens", "depth"}), CONFIDENCE_STOP),
+    Method("recycle", "token recycling: training-free trees from the target's own recent candidates", _recycle,
+           _recycle_needs, frozenset({"total_tokens", "depth"})),
+)}
+
+
+def method(name: str) -> Method:
+    """The registry entry of ``name``; an `UnknownMethodError` listing the known methods otherwise."""
+    if name not in METHODS:
+        raise UnknownMethodError(f"unknown method {name!r}; known methods: {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def check_method(name: str) -> str:
+    """Return ``name`` if CATS knows it, else raise `UnknownMethodError` listing the known ones."""
+    return method(name).name
+
+
+def help_text() -> str:
+    """The methods as the CLI lists them."""
+    return ", ".join(f"{m.name} ({m.summary})" for m in METHODS.values())
+
+
+def make_drafter(name: str, model: LayeredModel, drafting: DraftConfig | None = None,
+                 progress: bool = True) -> Drafter | None:
+    """The drafter of method ``name``; ``None`` for plain autoregressive decoding (``ar``).
+
+    ``drafting.adapters``: a folder with trained adapters (``DIR/draft/`` or an adapter folder itself); early exit
+    and trees then draft through the draft adapter at its own layer (early exit through ``DIR/early-exit/``, an
+    adapter that also reads the target's final features, when there is one). ``threshold``: their confidence stop;
+    None: the method's default (`CONFIDENCE_STOP` for the adapter drafters, also under a memory budget, 0 for
+    layer-skip). ``sparsity``: layer-skip's fraction of skipped sublayers (default 0.4), or dytc's list of them
+    (default 0.4, 0.6); skip sets come from the calibration cache, calibrated on first use (``progress``: with a
+    progress bar on stderr).
+
+    Left as None, the early-exit draft length and the tree shape are 4 and (4, 16, 5); when the model streams
+    layers under a memory budget they come from the speculation bucket chosen for the budget's I/O cost
+    (`cats.draft.sizing`). layer-skip and dytc draft through every layer, so they refuse a model that streams
+    layers."""
+    entry, d = method(name), drafting or DraftConfig()
+    threshold = entry.threshold if d.threshold is None else d.threshold
+    if entry.all_layers and model.weights is not None:
+        raise InvalidArgumentError(f"{name} drafts through every layer, so under a memory budget every draft token "
+                                   "would read the streamed layers again; it needs a budget that keeps every layer "
+                                   "resident (or use tree, cats, early-exit or pld)")
+    if d.sparsity is not None and "sparsity" not in entry.settings:
+        raise InvalidArgumentError(f"--sparsity applies to layer-skip and dytc, not to {name!r}")
+    return entry.make(model, d, threshold, progress)
+
+
+def make_scorer(name: str, model: LayeredModel, drafter, drafting: DraftConfig | None = None):
+    """What verifies method ``name``'s drafts: the shallow verifier's cascade for ``cats`` (its shallow adapter from
+    ``drafting.adapters``), else the plain target."""
+    entry, d = method(name), drafting or DraftConfig()
+    if not entry.cascade:
+        if d.sv_passes != 1:
+            raise InvalidArgumentError(f"--sv-passes is a setting of the cascade (method cats), not of {name!r}")
+        return TargetScorer()
+    return make_cascade(model, drafter, d.adapters, d.sv_threshold, d.sv_passes)
+
+
+def memory_needs(config, dtype: torch.dtype, name: str = "ar", drafting: DraftConfig | None = None,
+                 context_tokens: int | None = None, prefetch: int = DEFAULT_PREFETCH,
+                 prompt_tokens: int | None = None) -> MemoryNeeds:
+    """What method ``name`` needs resident besides the weights: the layers every draft step runs (``[0, L_d)``; all
+    of them for layer-skip and dytc), its adapters, and the largest pass it verifies (the largest speculation bucket
+    when the tree size is left to the budget). The cascade's shallow layers ``[L_d, L_sv)`` run once per pass: they
+    stay resident when the budget allows (as many layers as fit always do) and stream otherwise."""
+    entry, d = method(name), drafting or DraftConfig()
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    context = int(getattr(config, "max_position_embeddings", 0) or DEFAULT_CONTEXT_TOKENS)
+    needs = MemoryNeeds(context_tokens=context_tokens or min(DEFAULT_CONTEXT_TOKENS, context), prefetch=prefetch,
+                        prompt_tokens=prompt_tokens)
+    entry.needs(needs, config, itemsize, d)
+    return needs

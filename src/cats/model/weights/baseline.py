@@ -1,0 +1,33 @@
+"""The runtime baseline, measured in a fresh process: ``python -m cats.model.weights.baseline MODEL [THREADS]`` prints
+``{"peak_rss_mb", "rss_mb"}`` after importing torch, transformers and CATS, reading the tokenizer, building the
+weightless model skeleton and running one small matrix product and attention call (see `cats.model.weights.rss`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from cats.model.source import load_tokenizer, local_folder
+from cats.model.weights.offload import build_skeleton
+from cats.model.weights.rss import MIB, current_rss_bytes, peak_rss_bytes
+
+
+def measure_baseline(model: str, threads: int | None = None) -> dict:
+    import torch
+    import transformers  # noqa: F401
+    from transformers import AutoConfig
+
+
+    folder = local_folder(model)
+    load_tokenizer(model)
+    build_skeleton(AutoConfig.from_pretrained(folder), torch.float32)
+    if threads:
+        torch.set_num_threads(threads)
+    x = torch.randn(1, 4, 64, 64)
+    torch.nn.functional.linear(x, torch.randn(64, 64))
+    torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=torch.zeros(64, 64))
+    return {"peak_rss_mb": round(peak_rss_bytes() / MIB, 1), "rss_mb": round(current_rss_bytes() / MIB, 1)}
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure_baseline(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None)))

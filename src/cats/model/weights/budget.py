@@ -1,0 +1,315 @@
+"""The memory budget: parsing ``300MiB`` / ``1.5GB`` / ``50%``, and the planner that splits a budget between what
+stays resident and what streams from the layer store.
+
+What the planner keeps resident, in this order of priority:
+
+1. the parts every token needs: the embeddings, the final norm and the lm_head (one copy when tied);
+2. the adapters (draft / shallow blocks, and the lm_head rows of a reduced draft vocabulary);
+3. the KV cache for ``context_tokens`` tokens, and the activations of the largest tree verified in one pass;
+4. the decoder layers every draft step runs, ``[0, L_sv)`` (``min_resident_layers``);
+5. if anything streams: a pool of ``prefetch + 1`` layer buffers (the layer computing and ``prefetch`` read ahead);
+6. as many further layers as still fit, from the bottom up: ``[0, R)`` resident, ``[R, L)`` streamed.
+
+Streamed layers are always the deepest ones, so every forward pass reads them in one ascending sweep, once per
+verification pass, however many tokens the pass verifies. Every byte count comes from the model's real parameter
+sizes (`PartSizes.of`); KV cache and activations are estimates from the config (see `kv_cache_bytes` and
+`activation_bytes`). A budget below the minimum is refused with a message that names the minimum.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+from cats.errors import InvalidArgumentError
+
+KIB, MIB, GIB, TIB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": KIB, "mib": MIB, "gib": GIB, "tib": TIB,
+    "k": KIB, "m": MIB, "g": GIB, "t": TIB,  # bare letters are binary, as in `ulimit` and docker's "300m"
+}
+_BUDGET = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*|%)\s*$")
+DEFAULT_CONTEXT_TOKENS = 2048
+DEFAULT_PREFETCH = 2
+STORE_ALIGNMENT = 4096  # layer files and stream buffers are aligned to this (O_DIRECT needs it)
+
+
+class BudgetTooSmallError(InvalidArgumentError):
+    """The budget cannot hold the resident minimum; the message names the minimum."""
+
+
+def parse_budget(text: str | int, weight_bytes: int) -> int:
+    """Bytes of a budget given as bytes (``123456``), with a unit (``300MiB``, ``1.5GB``, ``300m``), or as a
+    percentage of the model's weight bytes (``50%``)."""
+    if isinstance(text, bool):
+        raise InvalidArgumentError(f"memory budget must be bytes, a size like 300MiB or a percentage, got {text!r}")
+    if isinstance(text, int):
+        value, unit = float(text), ""
+    else:
+        match = _BUDGET.match(str(text))
+        if not match:
+            raise InvalidArgumentError(
+                f"cannot read memory budget {text!r}: use bytes (123456), a size (300MiB, 1.5GB, 512m) or a percentage "
+                "of the weight bytes (50%)")
+        value, unit = float(match.group(1)), match.group(2).lower()
+    if unit == "%":
+        if value <= 0:
+            raise InvalidArgumentError(f"memory budget {text!r}: a percentage must be positive")
+        return int(weight_bytes * value / 100)
+    if unit not in UNITS:
+        raise InvalidArgumentError(f"memory budget {text!r}: unknown unit {unit!r}; use B, KB, MB, GB, KiB, MiB, GiB or %")
+    budget = int(value * UNITS[unit])
+    if budget <= 0:
+        raise InvalidArgumentError(f"memory budget {text!r} must be positive")
+    return budget
+
+
+def mib(n: int | float) -> str:
+    """A byte count for people: MiB, or KiB below one MiB."""
+    return f"{n / MIB:.1f} MiB" if n >= MIB or n == 0 else f"{n / KIB:.1f} KiB"
+
+
+def budget_text(n: int) -> str:
+    """The smallest round budget of at least ``n`` bytes, as the user would type it (KiB below 10 MiB)."""
+    return f"{-(-n // KIB)}KiB" if n < 10 * MIB else f"{-(-n // MIB)}MiB"
+
+
+def round_up(n: int, alignment: int = STORE_ALIGNMENT) -> int:
+    return -(-n // alignment) * alignment
+
+
+def numel(shape) -> int:
+    """Elements of a tensor of ``shape``."""
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+@dataclass
+class PartSizes:
+    """Bytes of each part of a model's weights, from its real parameter sizes (tied weights counted once)."""
+
+    embed: int
+    norm: int
+    lm_head: int  # 0 when tied to the embeddings
+    layers: list[int]
+    stored_layers: list[int] | None = None  # each layer's bytes in the layer store where it keeps quantised blocks
+    # (`cats.model.weights.blocks`; what streaming it reads); None: the layers' own sizes
+
+    def stored(self, layer: int) -> int:
+        return self.layers[layer] if self.stored_layers is None else self.stored_layers[layer]
+
+    @classmethod
+    def of(cls, hf_model) -> "PartSizes":
+        """Sizes of a transformers ``*ForCausalLM`` (its parameters may be on the meta device)."""
+        def size(module) -> int:
+            return sum(p.numel() * p.element_size() for p in module.parameters())
+
+        decoder = hf_model.model
+        tied = hf_model.lm_head.weight is decoder.embed_tokens.weight
+        return cls(embed=size(decoder.embed_tokens), norm=size(decoder.norm),
+                   lm_head=0 if tied else size(hf_model.lm_head),
+                   layers=[size(layer) for layer in decoder.layers[: hf_model.config.num_hidden_layers]])
+
+    @property
+    def always_resident(self) -> int:
+        return self.embed + self.norm + self.lm_head
+
+    @property
+    def weights(self) -> int:
+        return self.always_resident + sum(self.layers)
+
+
+@dataclass
+class MemoryNeeds:
+    """What must fit besides the weights the planner chooses; see the module docstring."""
+
+    context_tokens: int = DEFAULT_CONTEXT_TOKENS  # KV cache reservation: prompt + new tokens (+ the tree in flight)
+    prompt_tokens: int | None = None  # the longest prompt (its prefill's activations); None: context_tokens
+    min_resident_layers: int = 0  # layers [0, L_d) that every draft step runs stay resident
+    shallow_layers: int = 0  # L_sv of the cascade: kept resident when they fit, else they stream (see describe)
+    adapter_bytes: int = 0  # draft / shallow adapters, with their reduced-vocabulary head rows
+    max_tree_tokens: int = 1  # tokens verified in one pass (activations are reserved for this many)
+    extra_cache_layers: int = 0  # adapters' own KV-cache layers
+    speculation: str | None = None  # "chain", "tree" or "cascade" when the draft size is left to the budget: the plan
+    # then reserves the largest speculation bucket that fits (max_tree_tokens), and the drafter picks among those
+    pass_sizes: tuple[int, ...] = ()  # with speculation: the tokens of one pass of each bucket, the plan's candidates
+    prefetch: int = DEFAULT_PREFETCH  # streamed layers read ahead of the one computing
+
+    def validate(self, num_layers: int) -> None:
+        if self.context_tokens < 1:
+            raise InvalidArgumentError(f"context_tokens must be at least 1, got {self.context_tokens}")
+        if not 0 <= self.min_resident_layers <= num_layers:
+            raise InvalidArgumentError(f"min_resident_layers must lie in [0, {num_layers}], got {self.min_resident_layers}")
+        if self.prefetch < 0:
+            raise InvalidArgumentError(f"prefetch must not be negative, got {self.prefetch}")
+        if self.max_tree_tokens < 1:
+            raise InvalidArgumentError(f"max_tree_tokens must be at least 1, got {self.max_tree_tokens}")
+        if self.prompt_tokens is not None and not 1 <= self.prompt_tokens <= self.context_tokens:
+            raise InvalidArgumentError(f"prompt_tokens must lie in [1, context_tokens], got {self.prompt_tokens}")
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def kv_cache_bytes(config, itemsize: int, tokens: int, extra_layers: int = 0) -> int:
+    """K and V for ``tokens`` slots in every layer (sliding-window layers too: CATS's cache keeps full history)."""
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    per_token = 2 * kv_heads * _head_dim(config) * itemsize
+    return per_token * tokens * (config.num_hidden_layers + extra_layers)
+
+
+def activation_bytes(config, itemsize: int, tokens: int, context_tokens: int, logit_rows: int | None = None) -> int:
+    """An upper estimate of the transient tensors of one pass over ``tokens`` new tokens with ``context_tokens``
+    cached: hidden states and norms (~8 x T x H), the MLP (3 x T x I), q/k/v and the K/V expanded to all heads
+    for a masked SDPA (2 x heads x ctx x head_dim), attention scores and their softmax (2 x heads x T x ctx), the
+    additive mask (T x ctx), and logits with their float softmax copies (3 x rows x V, float32; rows = T by
+    default, 1 for a prefill)."""
+    heads, head_dim = config.num_attention_heads, _head_dim(config)
+    t, ctx = tokens, context_tokens + tokens
+    per_layer = (8 * t * config.hidden_size + 3 * t * config.intermediate_size + 3 * t * heads * head_dim
+                 + 2 * heads * ctx * head_dim + 2 * heads * t * ctx + t * ctx) * itemsize
+    logits = 3 * (t if logit_rows is None else logit_rows) * config.vocab_size * 4
+    return per_layer + logits
+
+
+@dataclass
+class MemoryPlan:
+    """Which parts stay resident and which layers stream, with the bytes of each."""
+
+    budget: int
+    parts: PartSizes
+    needs: MemoryNeeds
+    kv_bytes: int
+    activation_bytes: int
+    resident_layers: int  # R: layers [0, R) resident, [R, L) streamed
+    pool_slots: int  # stream buffers (0 when nothing streams)
+    slot_bytes: int  # bytes of one stream buffer (the largest streamed layer, aligned)
+    minimum: int  # the smallest budget that holds the resident minimum with this many stream buffers
+    read_buffers: int = 2  # buffers for reading quantised blocks (2: the next layer is read while one decodes)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.parts.layers)
+
+    @property
+    def streamed(self) -> range:
+        return range(self.resident_layers, self.num_layers)
+
+    @property
+    def resident_layer_bytes(self) -> int:
+        return sum(self.parts.layers[: self.resident_layers])
+
+    @property
+    def read_buffer_bytes(self) -> int:
+        """The reader's buffers for streamed layers stored as quantised blocks (read there, decoded into a stream
+        buffer; with two, one is read while the other decodes); 0 when none is."""
+        coded = [self.parts.stored(i) for i in self.coded_streamed]
+        return self.read_buffers * round_up(max(coded)) if coded else 0
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.pool_slots * self.slot_bytes + self.read_buffer_bytes
+
+    @property
+    def bytes_per_pass(self) -> int:
+        """Bytes read from the store by one forward pass over every layer (one verification pass)."""
+        return sum(self.parts.stored(i) for i in self.streamed)
+
+    @property
+    def coded_streamed(self) -> list[int]:
+        """Streamed layers the store keeps (partly) as quantised blocks."""
+        return [i for i in self.streamed if self.parts.stored(i) < self.parts.layers[i]]
+
+    @property
+    def coded_layers(self) -> int:
+        return len(self.coded_streamed)
+
+    @property
+    def planned_bytes(self) -> int:
+        return (self.parts.always_resident + self.needs.adapter_bytes + self.kv_bytes + self.activation_bytes
+                + self.resident_layer_bytes + self.pool_bytes)
+
+    def with_resident(self, resident: int) -> "MemoryPlan":
+        """The same needs with layers ``[0, resident)`` resident (the budget is not checked): its
+        ``planned_bytes`` is the budget that plan needs."""
+        streamed = self.parts.layers[resident:]
+        slots = min(self.needs.prefetch + 1, len(streamed))
+        slot_bytes = round_up(max(streamed)) if streamed else 0
+        return MemoryPlan(self.budget, self.parts, self.needs, self.kv_bytes, self.activation_bytes, resident, slots,
+                          slot_bytes, self.minimum, self.read_buffers)
+
+    def rows(self) -> list[tuple[str, int]]:
+        parts = self.parts
+        head = "embeddings + lm_head (tied)" if parts.lm_head == 0 else "embeddings"
+        rows = [(head, parts.embed)]
+        if parts.lm_head:
+            rows.append(("lm_head", parts.lm_head))
+        rows += [("final norm", parts.norm), ("adapters", self.needs.adapter_bytes),
+                 (f"KV cache ({self.needs.context_tokens} + {self.needs.max_tree_tokens} tokens)", self.kv_bytes),
+                 (f"activations ({self.needs.max_tree_tokens}-token pass)", self.activation_bytes),
+                 (f"resident layers [0, {self.resident_layers})", self.resident_layer_bytes)]
+        if self.pool_slots:
+            rows.append((f"stream buffers ({self.pool_slots} x {mib(self.slot_bytes)})",
+                         self.pool_slots * self.slot_bytes))
+        if self.read_buffer_bytes:
+            rows.append((f"block read buffers ({self.read_buffers} x "
+                         f"{mib(self.read_buffer_bytes // self.read_buffers)})", self.read_buffer_bytes))
+        return rows
+
+    def describe(self) -> str:
+        """The printable plan: bytes per part, which layers stream, bytes read per pass."""
+        lines = [f"memory plan: budget {mib(self.budget)} (weights {mib(self.parts.weights)}, "
+                 f"minimum {mib(self.minimum)})"]
+        lines += [f"  {name:<40} {mib(size):>12}" for name, size in self.rows()]
+        lines.append(f"  {'total planned':<40} {mib(self.planned_bytes):>12}")
+        if self.streamed:
+            lines.append(f"  streamed layers [{self.streamed.start}, {self.streamed.stop}) "
+                         f"({len(self.streamed)} of {self.num_layers}): {mib(self.bytes_per_pass)} read per "
+                         f"verification pass, {self.needs.prefetch} layer(s) read ahead")
+            if self.coded_layers:
+                lines.append(f"  {self.coded_layers} streamed layer(s) stored as the GGUF file's quantised blocks, "
+                             "decoded as they are read (the same weights, bit for bit)")
+        else:
+            lines.append("  every layer is resident: nothing streams")
+        if self.needs.shallow_layers > self.resident_layers:
+            lines.append(f"  the shallow verifier's layers [{self.resident_layers}, {self.needs.shallow_layers}) stream "
+                         f"too (keeping [0, {self.needs.shallow_layers}) needs a larger budget); the cascade then "
+                         "adds no correction branches, which would read them twice per pass")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "budget_mb": round(self.budget / MIB, 2), "minimum_mb": round(self.minimum / MIB, 2),
+            "weights_mb": round(self.parts.weights / MIB, 2), "planned_mb": round(self.planned_bytes / MIB, 2),
+            "parts_mb": {name: round(size / MIB, 2) for name, size in self.rows()},
+            "resident_layers": self.resident_layers, "streamed_layers": [self.streamed.start, self.streamed.stop],
+            "pool_slots": self.pool_slots, "bytes_per_pass": self.bytes_per_pass, "coded_layers": self.coded_layers,
+            "needs": asdict(self.needs),
+        }
+
+
+def plan_memory(budget: int, parts: PartSizes, needs: MemoryNeeds, kv_bytes: int, activation: int) -> MemoryPlan:
+    """Keep as many layers resident (bottom up) as the budget allows; stream the rest through ``prefetch + 1``
+    buffers. Raises `BudgetTooSmallError` naming the minimum when even ``[0, min_resident_layers)`` does not fit.
+    Layers stored as quantised blocks are read through two buffers (one read ahead while the other decodes), or
+    through one when the budget cannot hold the minimum with two."""
+    num_layers = len(parts.layers)
+    needs.validate(num_layers)
+    floor = needs.min_resident_layers
+    for read_buffers in (2, 1):
+        base = MemoryPlan(budget, parts, needs, kv_bytes, activation, num_layers, 0, 0, 0, read_buffers)
+        base.minimum = min(base.with_resident(resident).planned_bytes for resident in range(floor, num_layers + 1))
+        for resident in range(num_layers, floor - 1, -1):
+            if base.with_resident(resident).planned_bytes <= budget:
+                return base.with_resident(resident)
+    lowest, minimum = base.with_resident(floor), base.minimum
+    detail = ", ".join(f"{name} {mib(size)}" for name, size in lowest.rows() if size)
+    raise BudgetTooSmallError(
+        f"memory budget {mib(budget)} is below the minimum of {mib(minimum)} for this model and method ({detail}); "
+        f"pass a budget of at least {budget_text(minimum)}, a shorter context, or a smaller tree"
+        + (f" (the weights alone are {mib(parts.weights)})" if budget < parts.always_resident else ""))

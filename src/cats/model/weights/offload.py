@@ -1,0 +1,219 @@
+"""Running a model under a memory budget: plan, layer store, resident parts, streamer.
+
+Two ways in:
+
+* `load_under_budget` (what ``cats.load(..., memory_budget=...)`` calls): builds the model skeleton with every
+  parameter on the meta device, plans, makes the layer store from the checkpoint if it is not there yet (one part
+  in memory at a time), reads only the resident parts, and starts streaming the rest. The streamed layers are
+  never materialised whole, so the process's peak stays within the plan.
+* `offload_model`: a model already in memory is put under a budget in place (the store is written from its
+  parameters, then the streamed layers' parameters are dropped). Its peak so far already held the whole model;
+  use it for tests and for models that do not come from a checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from cats.errors import InvalidArgumentError
+from cats.model.identity import fingerprint_of, fingerprint_rows, model_fingerprint
+from cats.model.weights.blocks import GGUFBlocks
+from cats.model.weights.budget import (
+    DEFAULT_CONTEXT_TOKENS,
+    BudgetTooSmallError,
+    MemoryNeeds,
+    MemoryPlan,
+    PartSizes,
+    activation_bytes,
+    kv_cache_bytes,
+    parse_budget,
+    plan_memory,
+)
+from cats.model.weights.parts import Checkpoint
+from cats.model.weights.rss import bound_heap
+from cats.model.weights.store import (
+    LayerStore,
+    ensure_store,
+    model_source,
+    part_modules,
+    tied_aliases,
+    write_from_checkpoint,
+    write_from_model,
+)
+from cats.model.weights.stream import IO_MODES, LayerStreamer
+
+
+def plan_for(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: list[int] | None = None) -> MemoryPlan:
+    """The plan for ``hf_model`` (real or meta parameters) under ``budget`` (bytes, ``300MiB`` or ``50%``).
+    ``stored_layers``: each decoder layer's bytes in the layer store, where it holds quantised blocks.
+
+    When the draft size is left to the budget (``needs.pass_sizes``), the largest speculation bucket whose
+    activations still fit is reserved (``needs.max_tree_tokens`` is set to it); the error for a budget too small
+    names the minimum with the smallest bucket."""
+    if not needs.pass_sizes:
+        return _plan(hf_model, budget, needs, stored_layers)
+
+    error = None
+    for tokens in sorted(needs.pass_sizes, reverse=True):
+        needs.max_tree_tokens = tokens
+        try:
+            return _plan(hf_model, budget, needs, stored_layers)
+        except BudgetTooSmallError as too_small:
+            error = too_small
+    raise error
+
+
+def _plan(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: list[int] | None = None) -> MemoryPlan:
+    config = hf_model.config
+    parts = PartSizes.of(hf_model)
+    parts.stored_layers = stored_layers
+    itemsize = hf_model.model.embed_tokens.weight.element_size()
+    kv = kv_cache_bytes(config, itemsize, needs.context_tokens + needs.max_tree_tokens, needs.extra_cache_layers)
+    # a decode pass over the largest tree (logits for every node), or the prefill (logits for one row)
+    prompt = needs.prompt_tokens or needs.context_tokens
+    activation = max(activation_bytes(config, itemsize, needs.max_tree_tokens, needs.context_tokens),
+                     activation_bytes(config, itemsize, prompt, 0, logit_rows=1))
+    return plan_memory(parse_budget(budget, parts.weights), parts, needs, kv, activation)
+
+
+def _check_io(io: str) -> None:
+    if io not in IO_MODES:
+        raise InvalidArgumentError(f"offload I/O mode must be one of {', '.join(IO_MODES)}, got {io!r}")
+
+
+def _default_needs(config, needs: MemoryNeeds | None) -> MemoryNeeds:
+    if needs is not None:
+        return needs
+    context = int(getattr(config, "max_position_embeddings", 0) or DEFAULT_CONTEXT_TOKENS)
+    return MemoryNeeds(context_tokens=min(DEFAULT_CONTEXT_TOKENS, context))
+
+
+def _set_parameters(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    for name, tensor in tensors.items():
+        owner, _, attribute = name.rpartition(".")
+        target = module.get_submodule(owner) if owner else module
+        target._parameters[attribute] = torch.nn.Parameter(tensor, requires_grad=False)
+
+
+def _start_streaming(hf_model, store: LayerStore, plan: MemoryPlan, io: str) -> LayerStreamer | None:
+    if not plan.streamed:
+        return None
+    return LayerStreamer(hf_model.model.layers, plan.num_layers, store, plan.resident_layers, plan.pool_slots,
+                         plan.slot_bytes, io=io, read_buffers=plan.read_buffers)
+
+
+def build_skeleton(config, dtype: torch.dtype, attn_implementation: str = "sdpa"):
+    """The ``*ForCausalLM`` module with every parameter on the meta device (buffers such as rotary frequencies
+    are real), tied weights tied."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    hf_model.tie_weights()
+    return hf_model.eval().requires_grad_(False)
+
+
+def load_under_budget(folder: str | Path, config, dtype: torch.dtype, budget: str | int,
+                      needs: MemoryNeeds | None = None, io: str = "direct", layer_store: str | Path | None = None,
+                      attn_implementation: str = "sdpa"):
+    """Load the checkpoint in ``folder`` under ``budget``: ``(hf_model, plan, streamer or None)``.
+
+    Raises `BudgetTooSmallError` before reading any weight when the budget cannot hold the minimum."""
+    _check_io(io)
+    bound_heap()
+    hf_model = build_skeleton(config, dtype, attn_implementation)
+    _load_generation_config(hf_model, folder)
+    needs = _default_needs(config, needs)
+    blocks = GGUFBlocks.of_checkpoint(folder, dtype)
+    plan = plan_for(hf_model, budget, needs, stored_layers=_stored_estimate(hf_model, blocks))
+    store = checkpoint_store(folder, hf_model, dtype, layer_store, blocks)
+    stored = store.stored_layer_bytes()
+    if stored != (plan.parts.stored_layers or plan.parts.layers):  # a tensor whose blocks did not decode to the
+        plan = plan_for(hf_model, budget, needs, stored_layers=stored)  # checkpoint's bits is plain: plan again
+    modules = part_modules(hf_model)
+    resident = ["embed", "norm", *(["lm_head"] if "lm_head" in modules else []),
+                *(f"layer-{i:03d}" for i in range(plan.resident_layers))]
+    for part in resident:
+        _set_parameters(modules[part][1], store.read(part))
+    if "lm_head" not in modules:
+        hf_model.lm_head._parameters["weight"] = hf_model.model.embed_tokens.weight
+    return hf_model, plan, _start_streaming(hf_model, store, plan, io)
+
+
+def checkpoint_store(folder: str | Path, hf_model, dtype: torch.dtype, layer_store: str | Path | None = None,
+                     blocks: GGUFBlocks | None = None) -> LayerStore:
+    """The layer store of the checkpoint in ``folder`` (made now if absent), for the model skeleton ``hf_model``.
+    Its key is the model fingerprint, computed from the checkpoint's own lm_head rows, so that a store holding
+    another model's weights is caught (`cats.model.weights.store.open_store`). ``blocks``: the GGUF file the checkpoint
+    came from, whose quantised blocks the store keeps where they decode to the checkpoint's weights (its own key:
+    a store with blocks and one without never share a folder)."""
+    config = hf_model.config
+    checkpoint = Checkpoint(Path(folder))
+    rows = checkpoint.read("lm_head.weight", tied_aliases(hf_model), fingerprint_rows(config.vocab_size)).to(dtype)
+    parts = {part: sum(p.numel() * p.element_size() for p in module.parameters())
+             for part, (_, module) in part_modules(hf_model).items()}
+    source = checkpoint.source()
+    if blocks is not None:
+        source["blocks"] = blocks.record()
+        source["digest"] = hashlib.sha256(json.dumps([source["digest"], source["blocks"]]).encode()).hexdigest()
+    return ensure_store(layer_store, fingerprint_of(config, rows), dtype, config, source, parts,
+                        write_from_checkpoint(checkpoint, hf_model, dtype, blocks))
+
+
+def _stored_estimate(hf_model, blocks: GGUFBlocks | None) -> list[int] | None:
+    """What each decoder layer will occupy in a store made with ``blocks`` (None: no blocks, the plain size)."""
+    if blocks is None:
+        return None
+    layers = hf_model.model.layers[: hf_model.config.num_hidden_layers]
+    return [blocks.layer_bytes(i, {name: tuple(p.shape) for name, p in layer.named_parameters()},
+                               next(layer.parameters()).element_size()) for i, layer in enumerate(layers)]
+
+
+def _load_generation_config(hf_model, folder) -> None:
+    """``from_pretrained`` reads ``generation_config.json`` (end-of-sequence ids); the skeleton must too."""
+    if (Path(folder) / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        try:
+            hf_model.generation_config = GenerationConfig.from_pretrained(folder)
+        except (OSError, ValueError):
+            pass
+
+
+def offload_model(model, budget: str | int, needs: MemoryNeeds | None = None, io: str = "direct",
+                  layer_store: str | Path | None = None) -> MemoryPlan:
+    """Put a `LayeredModel` already in memory under ``budget``: store its layers (once), drop the streamed layers'
+    parameters and stream them from then on. Returns the plan (also ``model.memory_plan``)."""
+    _check_io(io)
+    bound_heap()
+    if model.weights is not None:
+        raise InvalidArgumentError("this model already runs under a memory budget; load it again to change the budget")
+    hf_model = model.hf_model
+    needs = _default_needs(model.config, needs)
+    plan = plan_for(hf_model, budget, needs)
+    modules = part_modules(hf_model)
+    parts = {part: sum(p.numel() * p.element_size() for p in module.parameters()) for part, (_, module) in modules.items()}
+    store = ensure_store(layer_store, model_fingerprint(model), model.dtype, model.config, model_source(hf_model),
+                         parts, write_from_model(hf_model))
+    for layer in plan.streamed:
+        module = model.layers[layer]
+        _set_parameters(module, {name: torch.empty_like(p, device="meta") for name, p in module.named_parameters()})
+    model.attach_weights(_start_streaming(hf_model, store, plan, io), plan)
+    return plan
+
+
+def check_resident(model, layers: int, what: str) -> None:
+    """Refuse to run ``what`` (which runs layers ``[0, layers)`` every draft step) when the plan streams some of
+    them: every draft step would then read them again."""
+    plan = model.memory_plan
+    if plan is not None and layers > plan.resident_layers:
+        raise InvalidArgumentError(
+            f"{what} runs layers [0, {layers}) every draft step, but the memory plan keeps only [0, "
+            f"{plan.resident_layers}) resident; load the model with the method's needs (cats.methods.memory_needs) "
+            "or a larger budget")
+
