@@ -6,6 +6,8 @@ A GGUF file is dequantised by transformers once and saved as a safetensors folde
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -131,6 +133,31 @@ def _drop_out_of_vocabulary_token_ids(config, name: str) -> None:
             setattr(config, key, None)
 
 
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """While converting one file: gguf-py's reader and tensor-name map built once.
+
+    transformers parses a GGUF file's metadata three times, for the config, the weights and the tokenizer (gguf-py's
+    reader takes ~3 s each on SmolLM2's 49k-token vocabulary), and builds gguf-py's tensor-name map once per module
+    of the model (~400 times); both are pure functions of their arguments, so within one conversion they are built
+    once and reused (the converted files are byte for byte the same). gguf's own names are restored after."""
+    gguf = importlib.import_module("gguf")
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], object] = {}
+
+    def parsed(path, mode="r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = parsed, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
 def convert_gguf(gguf_path: Path) -> Path:
     """Dequantise a GGUF file to a float32 safetensors folder in the cache, once; return that folder.
 
@@ -149,15 +176,16 @@ def convert_gguf(gguf_path: Path) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
         folder, name = str(gguf_path.parent), gguf_path.name
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
-        check_supported(config)
-        _drop_out_of_vocabulary_token_ids(config, name)
-        hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config, dtype=torch.float32)
-        _save_plain(hf_model, staging)
-        try:
-            AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(staging)
-        except Exception as error:  # some GGUF tokenizers (e.g. llama2.c conversions) are not readable by transformers
-            warnings.warn(f"could not convert the tokenizer of {name}: {first_line(error)}")
+        with gguf_parsed_once():
+            config = AutoConfig.from_pretrained(folder, gguf_file=name)
+            check_supported(config)
+            _drop_out_of_vocabulary_token_ids(config, name)
+            hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config, dtype=torch.float32)
+            _save_plain(hf_model, staging)
+            try:
+                AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(staging)
+            except Exception as error:  # some GGUF tokenizers (llama2.c conversions) are not readable by transformers
+                warnings.warn(f"could not convert the tokenizer of {name}: {first_line(error)}")
         (staging / "cats-source.json").write_text(json.dumps({"gguf": str(gguf_path.resolve())}, indent=2))
         try:
             staging.rename(target)
