@@ -21,7 +21,7 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    rows, series = [], {}
+    series = {}
     print("| budget | budget MiB | method | tokens/s | vs ar | mean accepted | streamed layers | read MiB | "
           "hidden I/O | peak RSS MiB | within budget | exact match |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from cats.cache_files import write_json
 from cats.draft import SkipSet
 from cats.draft.layer_skip import calibration as cal
 from cats.errors import InvalidArgumentError
@@ -101,8 +102,9 @@ def test_results_are_cached_per_model_and_reloaded(monkeypatch):
         cal.load_or_calibrate(other, 0.5, progress=False)
     with pytest.raises(AssertionError, match="recalibrated"):  # other settings: recalibrated
         cal.calibrate(model, [0.5], prompts=token_prompts(), tokens=8, budget=6)
+    data.pop("crc32")
     data["model"]["fingerprint"] = "0" * 16  # a file that claims another model is ignored
-    path.write_text(json.dumps(data))
+    write_json(path, data)
     assert cal.load_cached(model) == {}
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cats.cache_files import write_json
 from cats.errors import InvalidArgumentError
 from cats.config import GenerationConfig
 from cats.loop.generator import Generator
@@ -75,7 +76,7 @@ def test_store_from_checkpoint_equals_store_from_model(tmp_path, family, cache):
         assert (from_checkpoint / name).read_bytes() == (from_memory / name).read_bytes(), name
 
 
-def test_truncated_layer_file_is_refused_or_rebuilt(tmp_path, cache):
+def test_truncated_layer_file_is_refused_or_rebuilt(tmp_path, cache, capsys):
     model = tiny_model("llama")
     folder = saved(model, tmp_path / "model")
     budget = one_resident_budget(model)
@@ -88,8 +89,9 @@ def test_truncated_layer_file_is_refused_or_rebuilt(tmp_path, cache):
     shutil.copytree(store, explicit)
     with pytest.raises(StoreError, match=r"layer-002.safetensors has \d+ bytes, not \d+ \(truncated"):
         load_model(folder, dtype="float64", memory_budget=budget, memory_needs=NEEDS, layer_store=explicit)
-    with pytest.warns(UserWarning, match="rebuilding the layer store"):  # the default store is rebuilt
-        again = load_model(folder, dtype="float64", memory_budget=budget, memory_needs=NEEDS)
+    capsys.readouterr()
+    again = load_model(folder, dtype="float64", memory_budget=budget, memory_needs=NEEDS)  # the default store is rebuilt
+    assert "cats: rebuilding the layer store: layer file" in capsys.readouterr().err
     out = Generator(again).generate(PROMPT, GenerationConfig(max_new_tokens=8))
     assert out.token_ids == hf_greedy(model, PROMPT, 8)
     again.close()
@@ -117,8 +119,9 @@ def test_store_of_another_model_is_refused(tmp_path, cache):
     meta = json.loads((explicit / "store.json").read_text())
     from cats.model.identity import model_fingerprint
 
+    meta.pop("crc32")
     meta["fingerprint"] = model_fingerprint(second)
-    (explicit / "store.json").write_text(json.dumps(meta))
+    write_json(explicit / "store.json", meta)  # with a valid checksum
     with pytest.raises(StoreError, match="holds the lm_head of another model"):
         offload_model(second, one_resident_budget(second), NEEDS, layer_store=explicit)
     with pytest.raises(StoreError, match="exists and is not a layer store"):

@@ -22,17 +22,17 @@ from transformers.utils import logging as hf_logging
 
 from cats.config import DraftConfig, GenerationConfig, KernelConfig, MemoryConfig
 from cats.draft.base import Drafter
-from cats.errors import InvalidArgumentError
+from cats.errors import InvalidArgumentError, NoTokenizerError
 from cats.loop.generator import GenerationResult, Generator
 from cats.loop.stats import GenerationStats
 from cats.loop.text import IncrementalDetokenizer
-from cats.methods import make_drafter, make_scorer, memory_needs
+from cats.methods import METHODS, check_method, make_drafter, make_scorer, memory_needs
 from cats.model import LayeredModel, load_model
 from cats.model.kernels.packing import check_packing
 from cats.model.source import load_tokenizer, local_folder, resolve_dtype
 from cats.model.weights.budget import parse_budget
 from cats.model.weights.offload import offload_model
-from cats.prompts import encode_prompt, encode_with
+from cats.prompts import check_token_ids, encode_prompt, encode_with
 
 
 def load(model: str | os.PathLike, kernels: KernelConfig | None = None, memory: MemoryConfig | None = None,
@@ -43,8 +43,12 @@ def load(model: str | os.PathLike, kernels: KernelConfig | None = None, memory: 
     ``kernels``: its dtype and packed kernels. ``memory``: run under a memory budget, streaming the deep layers
     from a layer store (docs/memory.md), planned for ``method`` with ``drafting`` (the layers and adapters its
     drafts need stay resident) and a KV cache of ``context_tokens``. ``tokenizer``: the model's, if already loaded."""
-    kernels = kernels or KernelConfig()
-    if memory is None or memory.budget is None:
+    _check_source(model)
+    drafting, memory, kernels = _settings(None, drafting, memory, kernels)[1:]
+    if not isinstance(method, str):
+        raise InvalidArgumentError(f"method must be a method name ({', '.join(METHODS)}), got {method!r}")
+    check_method(method)
+    if memory.budget is None:
         return load_model(model, dtype=kernels.dtype, pack_weights=kernels.pack_weights, tokenizer=tokenizer)
     return prepare(model, method, drafting, memory, kernels, context_tokens=context_tokens, tokenizer=tokenizer)
 
@@ -91,13 +95,18 @@ class _Run:
     the prompt's ids and the validated settings."""
 
     def __init__(self, model, prompt, method, generation, drafting, memory, kernels, chat):
-        self.config = generation or GenerationConfig()
-        self.config.validate()  # before loading a model
-        budget = memory is not None and memory.budget is not None
+        if not isinstance(model, LayeredModel):
+            _check_source(model)
+        if not isinstance(chat, bool):
+            raise InvalidArgumentError(f"chat must be True or False, got {chat!r}")
+        self.config, drafting, memory, kernels = _settings(generation, drafting, memory, kernels)  # before loading
+        method = _check_method(method)
+        if not isinstance(prompt, str):
+            check_token_ids(prompt)  # its type now; the vocabulary once the model is loaded
+        budget = memory.budget is not None
         if budget and isinstance(method, Drafter):
             raise InvalidArgumentError("a memory budget plans for a method; pass method=NAME, not a ready drafter")
         self.loaded_here = not isinstance(model, LayeredModel)  # a model loaded here stops streaming when done
-        kernels = kernels or KernelConfig()
         if budget:
             tokenizer = model.tokenizer if isinstance(model, LayeredModel) else load_tokenizer(model)
             prompt_ids = encode_with(tokenizer, getattr(model, "name", str(model)), prompt, chat=chat)
@@ -133,6 +142,8 @@ def generate(model: LayeredModel | str, prompt: str | Sequence[int], method: str
     memory has its streamed layers dropped in place; the KV cache is planned for this prompt plus
     ``max_new_tokens``. ``chat``: the prompt is one user message through the chat template. ``on_tokens``: called
     with each chunk of new token ids as it is committed."""
+    if on_tokens is not None and not callable(on_tokens):
+        raise InvalidArgumentError(f"on_tokens must be a function of the new token ids, got {on_tokens!r}")
     run = _Run(model, prompt, method, generation, drafting, memory, kernels, chat)
     try:
         return run.generator.generate(run.prompt_ids, run.config, on_tokens=on_tokens)
@@ -146,10 +157,13 @@ def stream(model: LayeredModel | str, prompt: str | Sequence[int], method: str |
            stats: GenerationStats | None = None) -> Iterator[str]:
     """`generate`, yielding the text as it is committed (pieces whose concatenation is the whole text, stop strings
     cut off); ``stats``, if given, is filled when the generator is exhausted."""
+    if stats is not None and not isinstance(stats, GenerationStats):
+        raise InvalidArgumentError(f"stats must be a cats.GenerationStats, got {type(stats).__name__}")
     run = _Run(model, prompt, method, generation, drafting, memory, kernels, chat)
     try:
         if run.model.tokenizer is None:
-            raise InvalidArgumentError(f"model {run.model.name!r} has no tokenizer: use generate() for token ids")
+            raise NoTokenizerError(f"model {run.model.name!r} has no tokenizer: use generate() for token ids",
+                                   run.model.name)
         text = IncrementalDetokenizer(run.model.tokenizer, run.config.stop)
         for chunk in run.generator.stream(run.prompt_ids, run.config, stats if stats is not None else GenerationStats()):
             delta = text.add(chunk)
@@ -160,6 +174,35 @@ def stream(model: LayeredModel | str, prompt: str | Sequence[int], method: str |
             yield rest
     finally:
         run.close()
+
+
+def _check_source(model) -> None:
+    if not isinstance(model, (str, os.PathLike)):
+        raise InvalidArgumentError(f"model must be a loaded model (cats.load) or a path, .gguf file or Hub id, got "
+                                   f"{type(model).__name__} {model!r}")
+
+
+def _check_method(method):
+    if isinstance(method, Drafter):
+        return method
+    if not isinstance(method, str):
+        raise InvalidArgumentError(f"method must be a method name ({', '.join(METHODS)}) or a drafter, got "
+                                   f"{type(method).__name__} {method!r}")
+    return check_method(method)
+
+
+def _settings(generation, drafting, memory, kernels):
+    """The settings objects, defaults for None, each checked for its type and validated."""
+    settings = []
+    for name, value, kind in (("generation", generation, GenerationConfig), ("drafting", drafting, DraftConfig),
+                              ("memory", memory, MemoryConfig), ("kernels", kernels, KernelConfig)):
+        if value is None:
+            value = kind()
+        elif not isinstance(value, kind):
+            raise InvalidArgumentError(f"{name} must be a cats.{kind.__name__}, got {type(value).__name__} {value!r}")
+        value.validate()
+        settings.append(value)
+    return tuple(settings)
 
 
 def set_threads(threads: int) -> None:

@@ -12,11 +12,15 @@ that name the option (`OptionError.param`).
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cats.errors import InvalidArgumentError
+from cats.model.source import resolve_dtype
 from cats.model.weights.budget import DEFAULT_PREFETCH
+from cats.model.weights.stream import IO_MODES
 from cats.sampling import check_sampling
 from cats.verify.acceptance import check_acceptance, make_acceptance
 from cats.verify.cascade import SV_THRESHOLD
@@ -46,8 +50,17 @@ class GenerationConfig:
             raise InvalidArgumentError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+            raise InvalidArgumentError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(not s for s in self.stop):
             raise InvalidArgumentError("stop strings must not be empty")
+        if self.eos_token_ids is not None and (not isinstance(self.eos_token_ids, (set, frozenset, list, tuple))
+                                               or not all(_is_int(t) and t >= 0 for t in self.eos_token_ids)):
+            raise InvalidArgumentError(f"eos_token_ids must be a set of token ids, got {self.eos_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidArgumentError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if not isinstance(self.acceptance, str):
+            raise InvalidArgumentError(f"acceptance must be 'exact' or 'typical', got {self.acceptance!r}")
         check_sampling(self.temperature, self.top_p, self.top_k, self.seed)
         check_acceptance(self.acceptance, self.typical_tau, self.typical_alpha)
         make_acceptance(self.acceptance, self.temperature, self.typical_tau, self.typical_alpha)  # range checks
@@ -70,8 +83,27 @@ class DraftConfig:
     sv_passes: int = 1  # cats: shallow passes per deep pass
 
     def validate(self) -> None:
-        if self.adapters is not None and not isinstance(self.adapters, str):
+        """Types and ranges, before any model is loaded or calibrated (a drafter checks what needs the model, such
+        as whether its draft layer exists)."""
+        if self.adapters is not None:
             self.adapters = _path_text(self.adapters, "adapters")
+        for name in ("num_draft_tokens", "draft_layer", "tree_topk", "total_tokens", "depth"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and value >= 1):
+                raise InvalidArgumentError(f"{name} must be an integer >= 1 (None: the method's default), got {value!r}")
+        if not (_is_int(self.max_ngram) and self.max_ngram >= 1):
+            raise InvalidArgumentError(f"max_ngram must be an integer >= 1, got {self.max_ngram!r}")
+        if self.threshold is not None and not (_is_number(self.threshold) and 0 <= self.threshold < 1):
+            raise InvalidArgumentError(f"threshold (the draft confidence stop) must lie in [0, 1), got {self.threshold!r}")
+        if self.sparsity is not None:
+            values = (self.sparsity,) if _is_number(self.sparsity) else self.sparsity
+            if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) \
+                    or not all(_is_number(v) and 0 < v < 1 for v in values):
+                raise InvalidArgumentError(f"sparsity must be a number in (0, 1) or a list of them, got {self.sparsity!r}")
+        if not (_is_number(self.sv_threshold) and 0 <= self.sv_threshold < 1):
+            raise InvalidArgumentError(f"sv_threshold must lie in [0, 1), got {self.sv_threshold!r}")
+        if not (_is_int(self.sv_passes) and self.sv_passes >= 1):
+            raise InvalidArgumentError(f"sv_passes must be an integer >= 1, got {self.sv_passes!r}")
 
 
 @dataclass
@@ -85,6 +117,17 @@ class MemoryConfig:
     prefetch: int = DEFAULT_PREFETCH
     layer_store: str | None = None
 
+    def validate(self) -> None:
+        if self.budget is not None and not (isinstance(self.budget, str) or (_is_int(self.budget) and self.budget > 0)):
+            raise InvalidArgumentError(f"the memory budget must be bytes (an integer > 0), a size such as '300MiB', or "
+                                       f"a percentage such as '50%', got {self.budget!r}")
+        if self.offload_io not in IO_MODES:
+            raise InvalidArgumentError(f"offload_io must be one of {', '.join(IO_MODES)}, got {self.offload_io!r}")
+        if not (_is_int(self.prefetch) and self.prefetch >= 0):
+            raise InvalidArgumentError(f"prefetch must be an integer >= 0, got {self.prefetch!r}")
+        if self.layer_store is not None:
+            self.layer_store = _path_text(self.layer_store, "layer_store")
+
 
 @dataclass
 class KernelConfig:
@@ -94,11 +137,24 @@ class KernelConfig:
     dtype: str = "float32"
     pack_weights: bool = False
 
+    def validate(self) -> None:
+        resolve_dtype(self.dtype)  # an unknown dtype names the known ones
+        if not isinstance(self.pack_weights, bool):
+            raise InvalidArgumentError(f"pack_weights must be True or False, got {self.pack_weights!r}")
+
 
 def _path_text(value, name: str) -> str:
-    if hasattr(value, "__fspath__"):
+    if isinstance(value, str) or hasattr(value, "__fspath__"):
         return str(value)
-    raise InvalidArgumentError(f"{name} must be a folder path, got {type(value).__name__}")
+    raise InvalidArgumentError(f"{name} must be a folder path, got {type(value).__name__} {value!r}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class OptionError(InvalidArgumentError):

@@ -28,3 +28,27 @@ class InvalidArgumentError(CatsError, ValueError):
 
 class UnknownMethodError(InvalidArgumentError):
     """A decoding method name that CATS does not know."""
+
+
+class DamagedFileError(CatsError):
+    """A model or adapter file that is truncated, empty, not of its format or missing tensors. The message names
+    the file, what is wrong with it and the fix; ``path``, ``fault`` and ``fix`` hold the three parts."""
+
+    def __init__(self, path, fault: str = "is damaged", fix: str = "re-download it"):
+        super().__init__(f"{path} {fault}; {fix}")
+        self.path, self.fault, self.fix = path, fault, fix
+
+    def __reduce__(self):
+        return type(self), (self.path, self.fault, self.fix)
+
+
+class NoTokenizerError(InvalidArgumentError):
+    """Text was given to a model without a tokenizer CATS can read (token ids work through the Python API);
+    ``model`` names the model."""
+
+    def __init__(self, message: str, model=None):
+        super().__init__(message)
+        self.model = model
+
+    def __reduce__(self):
+        return type(self), (str(self), self.model)

@@ -36,6 +36,7 @@ from cats.model.adapter import (
     find_adapter,
     find_draft_adapter,
     load_adapter,
+    read_adapter_config,
 )
 from cats.model.weights.budget import (
     DEFAULT_CONTEXT_TOKENS,
@@ -236,14 +237,11 @@ def _cats_no_shallow(model, d: DraftConfig, threshold, progress):
 def adapter_bytes(folder: Path, hidden_size: int, itemsize: int) -> tuple[int, int]:
     """``(layer, resident bytes)`` of an adapter folder: its block and norm in the model's dtype, plus the lm_head
     rows it gathers once for a reduced draft vocabulary."""
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise AdapterError(f"cannot read adapter config {folder / 'config.json'}: {error}") from None
-    header = read_header(folder / "model.safetensors")
+    config = read_adapter_config(Path(folder))  # a damaged config or weights file: a clear error naming it
+    header = read_header(Path(folder) / "model.safetensors")
     values = sum(numel(e.shape) for e in header.entries.values())
-    vocab = config.get("vocab_subset") or []
-    return int(config["layer"]), values * itemsize + len(vocab) * (hidden_size * itemsize + 8)
+    vocab = config.vocab_subset or []
+    return config.layer, values * itemsize + len(vocab) * (hidden_size * itemsize + 8)
 
 
 def _no_needs(needs: MemoryNeeds, config, itemsize: int, d: DraftConfig) -> None:
@@ -388,6 +386,7 @@ def make_drafter(name: str, model: LayeredModel, drafting: DraftConfig | None = 
     (`cats.draft.sizing`). layer-skip and dytc draft through every layer, so they refuse a model that streams
     layers."""
     entry, d = method(name), drafting or DraftConfig()
+    d.validate()  # before any calibration or adapter load
     threshold = entry.threshold if d.threshold is None else d.threshold
     if entry.all_layers and model.weights is not None:
         raise InvalidArgumentError(f"{name} drafts through every layer, so under a memory budget every draft token "
@@ -417,6 +416,7 @@ def memory_needs(config, dtype: torch.dtype, name: str = "ar", drafting: DraftCo
     when the tree size is left to the budget). The cascade's shallow layers ``[L_d, L_sv)`` run once per pass: they
     stay resident when the budget allows (as many layers as fit always do) and stream otherwise."""
     entry, d = method(name), drafting or DraftConfig()
+    d.validate()
     itemsize = torch.empty(0, dtype=dtype).element_size()
     context = int(getattr(config, "max_position_embeddings", 0) or DEFAULT_CONTEXT_TOKENS)
     needs = MemoryNeeds(context_tokens=context_tokens or min(DEFAULT_CONTEXT_TOKENS, context), prefetch=prefetch,

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cats.errors import InvalidArgumentError
+from cats.errors import InvalidArgumentError, NoTokenizerError
 
 
 @dataclass(frozen=True)
@@ -174,17 +175,45 @@ def chat_prompt_ids(model, text: str, max_tokens: int) -> tuple[list[int] | None
     return None, True
 
 
+def check_token_ids(prompt, vocab_size: int | None = None) -> list[int]:
+    """``prompt`` as a list of token ids: a sequence (list, tuple, 1-D tensor or array) of integers, each in
+    ``[0, vocab_size)`` when the vocabulary size is given; anything else is an `InvalidArgumentError` that says what
+    was passed."""
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise InvalidArgumentError("the prompt is bytes: pass text (decode the bytes first) or a list of token ids")
+    if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):  # a tensor or an array
+        if getattr(prompt, "ndim", 1) != 1:
+            raise InvalidArgumentError(f"prompt token ids must be one sequence, got shape {tuple(prompt.shape)}")
+        prompt = prompt.tolist()
+    if not isinstance(prompt, Sequence) or isinstance(prompt, str):
+        raise InvalidArgumentError(f"the prompt must be text (str) or a list of token ids, got {type(prompt).__name__}")
+    ids = []
+    for position, token in enumerate(prompt):
+        if not isinstance(token, numbers.Integral) or isinstance(token, bool):
+            raise InvalidArgumentError(f"prompt token ids must be integers, got {token!r} at position {position}")
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise InvalidArgumentError(f"prompt token id {token} at position {position} is outside the model's "
+                                       f"vocabulary [0, {vocab_size})")
+        ids.append(int(token))
+    return ids
+
+
 def encode_prompt(model, prompt: str | Sequence[int], chat: bool = False, system: str | None = None) -> list[int]:
-    """Token ids of a prompt: ids pass through; text is tokenized, as one user message with ``chat=True``."""
+    """Token ids of a prompt: ids pass through (checked against the vocabulary); text is tokenized, as one user
+    message with ``chat=True``."""
+    if not isinstance(prompt, str):
+        return check_token_ids(prompt, model.vocab_size)
     return encode_with(model.tokenizer, model.name, prompt, chat, system)
 
 
 def encode_with(tokenizer, name: str, prompt: str | Sequence[int], chat: bool = False, system: str | None = None) -> list[int]:
     """`encode_prompt` with a tokenizer alone (e.g. before a model is loaded under a memory budget)."""
     if not isinstance(prompt, str):
-        return [int(t) for t in prompt]
+        return check_token_ids(prompt)
     if tokenizer is None:
-        raise InvalidArgumentError(f"model {name!r} has no tokenizer: pass token ids instead of text")
+        raise NoTokenizerError(f"model {name!r} has no tokenizer: pass token ids instead of text", name)
+    if not isinstance(chat, bool):
+        raise InvalidArgumentError(f"chat must be True or False, got {chat!r}")
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return chat_ids(tokenizer, name, messages)
@@ -200,7 +229,7 @@ def encode_chat(model, messages: Sequence[dict]) -> list[int]:
 def chat_ids(tokenizer, name: str, messages: Sequence[dict]) -> list[int]:
     """`encode_chat` with a tokenizer alone."""
     if tokenizer is None:
-        raise InvalidArgumentError(f"model {name!r} has no tokenizer: pass token ids instead of text")
+        raise NoTokenizerError(f"model {name!r} has no tokenizer: pass token ids instead of text", name)
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidArgumentError(f"model {name!r} has no chat template; drop --chat")
     ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -138,6 +138,11 @@ class MethodSettings:
     threads: int = 1
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
 
+    def drafting(self, applies: frozenset[str] | None = None) -> DraftConfig:
+        """The `DraftConfig` of these settings; ``applies``: only the fields a method takes (None: all)."""
+        return DraftConfig(**{f.name: getattr(self, f.name) for f in fields(DraftConfig)
+                              if applies is None or f.name in applies})
+
 
 @dataclass
 class BenchContext:
@@ -173,8 +178,7 @@ class CatsMethod(BenchMethod):
     def __init__(self, name: str, context: BenchContext):
         settings = context.settings
         self.name = name
-        applies = method(name).settings  # the shared settings this method takes (the rest are not its own)
-        drafting = DraftConfig(**{f.name: getattr(settings, f.name) for f in fields(DraftConfig) if f.name in applies})
+        drafting = settings.drafting(method(name).settings)  # the shared settings this method takes
         self.generator = generator_for(context.model, name, drafting, progress=context.progress)
         self.drafter, self.scorer = self.generator.drafter, self.generator.scorer
         self.sampling = settings.sampling

@@ -12,7 +12,7 @@ Formats:
 
 from __future__ import annotations
 
-from cats.errors import InvalidArgumentError
+from cats.errors import InvalidArgumentError, NoTokenizerError
 
 PROMPT_FORMATS = ("chat", "raw")
 TURN_SEPARATOR = "\n\n"
@@ -23,7 +23,7 @@ def check_prompt_format(model, prompt_format: str) -> None:
         raise InvalidArgumentError(f"unknown prompt format {prompt_format!r}; use one of {', '.join(PROMPT_FORMATS)}")
     tokenizer = model.tokenizer
     if tokenizer is None:
-        raise InvalidArgumentError(f"model {model.name!r} has no tokenizer; cats bench needs one to read questions")
+        raise NoTokenizerError(f"model {model.name!r} has no tokenizer; cats bench needs one to read questions", model.name)
     if prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
         raise InvalidArgumentError(f"model {model.name!r} has no chat template; pass --prompt-format raw")
 

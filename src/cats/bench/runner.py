@@ -99,8 +99,8 @@ class BenchConfig:
         sampling.validate()
         check_sampling(sampling.temperature, sampling.top_p, sampling.top_k, self.seed)
         if self.pack_weights:
-
             check_packing(resolve_dtype(self.dtype), self.memory_budget)
+        self.settings.drafting().validate()
         if self.max_new_tokens < 1:
             raise InvalidArgumentError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
         if self.turns not in TURN_MODES:

@@ -11,11 +11,12 @@ from cats.cli.args import (
     add_model_arguments,
     add_pack_argument,
     build_generator,
+    drafting_from_args,
     integer,
     method_from_args,
 )
 from cats.config import request_config
-from cats.errors import InvalidArgumentError, PromptTooLongError
+from cats.errors import InvalidArgumentError, NoTokenizerError, PromptTooLongError
 from cats.loop.generator import Generator
 from cats.loop.stats import GenerationStats
 from cats.loop.text import IncrementalDetokenizer
@@ -107,10 +108,13 @@ def add_chat_parser(commands) -> None:
 def run_chat(args) -> int:
 
     method_from_args(args)
+    drafting_from_args(args).validate()  # before the model loads
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
     request_config(args.max_new_tokens, **sampling)  # fail before the model loads
     model = load_model(args.model or default_model(), dtype=args.dtype, pack_weights=args.pack_weights)
-    if model.tokenizer is None or not getattr(model.tokenizer, "chat_template", None):
+    if model.tokenizer is None:
+        raise NoTokenizerError(f"model {model.name!r} has no tokenizer; cats chat needs one", model.name)
+    if not getattr(model.tokenizer, "chat_template", None):
         raise InvalidArgumentError(f"model {model.name!r} has no chat template; cats chat needs one")
     session = ChatSession(build_generator(args, model), system=args.system, max_new_tokens=args.max_new_tokens,
                           **sampling)

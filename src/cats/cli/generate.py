@@ -53,8 +53,8 @@ def add_generate_parser(commands) -> None:
 class TextStreamer:
     """Prints decoded text as tokens arrive, holding back an incomplete multi-byte character."""
 
-    def __init__(self, tokenizer, out=sys.stdout):
-        self.tokenizer, self.out, self.ids, self.printed = tokenizer, out, [], 0
+    def __init__(self, tokenizer, out=None):
+        self.tokenizer, self.out, self.ids, self.printed = tokenizer, out or sys.stdout, [], 0
 
     def __call__(self, tokens: list[int]) -> None:
         self.ids.extend(tokens)
@@ -79,8 +79,11 @@ def run_generate(args) -> int:
     method = method_from_args(args)
     if method == "ar" and config.acceptance == "typical":
         raise InvalidArgumentError(TYPICAL_NEEDS_DRAFTS)
-    source = args.model or default_model()
+    drafting = drafting_from_args(args)
+    drafting.validate()
     kernels = KernelConfig(dtype=args.dtype, pack_weights=args.pack_weights)
+    kernels.validate()
+    source = args.model or default_model()
     if args.memory_budget is None:
         check_memory_flags(args)
         model = load(source, kernels)
@@ -89,7 +92,9 @@ def run_generate(args) -> int:
         tokenizer = load_tokenizer(source)
         prompt_ids = encode_with(tokenizer, source, prompt, chat=args.chat, system=args.system)
         context = args.max_context or len(prompt_ids) + args.max_new_tokens
-        model = prepare(source, method, drafting_from_args(args), memory_from_args(args), kernels,
+        memory = memory_from_args(args)
+        memory.validate()
+        model = prepare(source, method, drafting, memory, kernels,
                         context_tokens=context, tokenizer=tokenizer, prompt_tokens=len(prompt_ids))
         print(model.memory_plan.describe(), file=sys.stderr)
     generator = build_generator(args, model)
@@ -97,8 +102,24 @@ def run_generate(args) -> int:
     result = generator.generate(prompt_ids, config, on_tokens=streamer)
     if streamer is not None:
         streamer.finish()
+    reason = stop_reason_line(result.stats.stop_reason, config, model)
+    if reason:
+        print(reason, file=sys.stderr)
     if args.stats:
         print(result.stats.summary_line(), file=sys.stderr)
     if args.json:
         print(json.dumps(result.to_dict()))
     return 0
+
+
+def stop_reason_line(reason: str, config: GenerationConfig, model) -> str | None:
+    """What stopped a generation, for stderr, unless it was the model's own end of sequence."""
+    if reason == "max_new_tokens":
+        return f"cats: stopped after --max-new-tokens ({config.max_new_tokens} tokens)"
+    if reason == "context_length":
+        return (f"cats: stopped: the model's context window ({model.context_length} tokens) is full; shorten the "
+                "prompt or use a model with a longer context")
+    if reason == "stop_string":
+        return "cats: stopped at a --stop string"
+    return None
+

@@ -15,10 +15,11 @@ from cats.cli.args import (
     add_model_arguments,
     add_pack_argument,
     build_generator,
+    drafting_from_args,
     integer,
     method_from_args,
 )
-from cats.errors import InvalidArgumentError, MissingDependencyError
+from cats.errors import InvalidArgumentError, MissingDependencyError, NoTokenizerError
 from cats.model import load_model
 from cats.paths import default_model
 from cats.serve.engine import Engine
@@ -79,11 +80,12 @@ def run_serve(args) -> int:
     if args.shutdown_timeout < 0:
         raise InvalidArgumentError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout:g}")
     method_from_args(args)
+    drafting_from_args(args).validate()  # before the model loads
     model_path = args.model or default_model()
     model = load_model(model_path, dtype=args.dtype, pack_weights=args.pack_weights)
     if model.tokenizer is None:
-        raise InvalidArgumentError(f"model {model_path!r} has no tokenizer that transformers can read; "
-                                   "cats serve needs one to turn text into tokens")
+        raise NoTokenizerError(f"model {model_path!r} has no tokenizer that transformers can read; "
+                               "cats serve needs one to turn text into tokens", model_path)
     generator = build_generator(args, model)
     name = args.served_model_name or served_name(model_path)
     engine = Engine(generator, max_queue=args.max_queue)

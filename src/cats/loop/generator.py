@@ -23,6 +23,7 @@ from cats.loop.stats import GenerationStats
 from cats.loop.text import StopStrings
 from cats.model import LayeredModel
 from cats.model.weights.rss import page_cache_bytes, peak_rss_bytes
+from cats.prompts import check_token_ids
 from cats.sampling import Sampler
 from cats.verify.acceptance import TYPICAL_NEEDS_DRAFTS, make_acceptance
 from cats.verify.scorer import TargetScorer
@@ -60,7 +61,8 @@ class Generator:
     def stream(self, prompt_ids: Sequence[int], config: GenerationConfig, stats: GenerationStats) -> Iterator[list[int]]:
         """Yield the new tokens as they are committed, a chunk per target forward; fill ``stats``."""
         config.validate()
-        model, prompt_ids = self.model, [int(t) for t in prompt_ids]
+        model = self.model
+        prompt_ids = check_token_ids(prompt_ids, model.vocab_size)
         if not prompt_ids:
             raise InvalidArgumentError("the prompt is empty")
         if len(prompt_ids) >= model.context_length:
@@ -192,6 +194,10 @@ class Generator:
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> GenerationResult:
         config = config or GenerationConfig()
+        if not isinstance(config, GenerationConfig):
+            raise InvalidArgumentError(f"config must be a GenerationConfig, got {type(config).__name__}")
+        if on_tokens is not None and not callable(on_tokens):
+            raise InvalidArgumentError(f"on_tokens must be a function of the new token ids, got {on_tokens!r}")
         stats, new_tokens = GenerationStats(), []
         for chunk in self.stream(prompt_ids, config, stats):
             new_tokens.extend(chunk)
@@ -199,7 +205,7 @@ class Generator:
                 on_tokens(chunk)
         tokenizer = self.model.tokenizer
         text = tokenizer.decode(new_tokens, skip_special_tokens=True) if tokenizer is not None else ""
-        return GenerationResult(new_tokens, [int(t) for t in prompt_ids], text, stats)
+        return GenerationResult(new_tokens, check_token_ids(prompt_ids), text, stats)
 
 
 def offload_counters(model: LayeredModel, before) -> dict:

@@ -24,10 +24,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from cats.errors import CatsError
 from cats.model.cache import KVCache
+from cats.model.files import check_safetensors, first_line
 from cats.model.identity import model_identity
 from cats.model.kernels.layer_forward import (
     fused_layer_forward,
@@ -51,6 +54,9 @@ class AdapterError(CatsError):
     """A missing, malformed or mismatched adapter."""
 
 
+REPAIR = "train it again with `cats train adapter` or restore the folder from its source"
+
+
 @dataclass
 class AdapterConfig:
     role: str  # "draft" (proposes tokens) or "shallow" (the cascade's shallow verifier)
@@ -72,6 +78,8 @@ class AdapterConfig:
             raise AdapterError(f"adapter role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.block not in BLOCKS:
             raise AdapterError(f"adapter block must be one of {', '.join(BLOCKS)}, got {self.block!r}")
+        if self.init not in INITS:
+            raise AdapterError(f"adapter init must be one of {', '.join(INITS)}, got {self.init!r}")
         if self.input not in INPUTS:
             raise AdapterError(f"adapter input must be one of {', '.join(INPUTS)}, got {self.input!r}")
         if self.input != "hidden" and self.role != "draft":
@@ -269,8 +277,6 @@ class Adapter(nn.Module):
 
     # ------------------------------------------------------------------ files
     def save(self, folder: str | Path) -> Path:
-        from safetensors.torch import save_file
-
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         state = {name: tensor.detach().contiguous().cpu() for name, tensor in self.state_dict().items()}
@@ -295,18 +301,9 @@ def new_adapter(model: LayeredModel, role: str, layer: int, block: str = "decode
 def load_adapter(folder: str | Path, model: LayeredModel, role: str | None = None, layer: int | None = None,
                  cache_layer: int | None = None) -> Adapter:
     """Load an adapter folder onto ``model``; refuse one trained for another model, role or layer."""
-    from safetensors.torch import load_file
-
     folder = Path(folder)
-    config_file, weights_file = folder / "config.json", folder / "model.safetensors"
-    for needed in (config_file, weights_file):
-        if not needed.is_file():
-            raise AdapterError(f"adapter folder {str(folder)!r} lacks {needed.name}; train one with `cats train adapter`")
-    try:
-        config = AdapterConfig(**json.loads(config_file.read_text()))
-    except (TypeError, ValueError) as error:
-        raise AdapterError(f"{config_file} is not a CATS adapter config: {error}") from None
-    config.validate()
+    config = read_adapter_config(folder)
+    weights_file = folder / "model.safetensors"
     base, here = config.base_model, model_identity(model)
     if base.get("fingerprint") != here["fingerprint"]:
         raise AdapterError(
@@ -317,13 +314,48 @@ def load_adapter(folder: str | Path, model: LayeredModel, role: str | None = Non
         raise AdapterError(f"adapter {str(folder)!r} is a {config.role} adapter, not a {role} adapter")
     if layer is not None and config.layer != layer:
         raise AdapterError(f"adapter {str(folder)!r} was trained at layer {config.layer}, not at layer {layer}")
+    if config.vocab_subset is not None and not all(0 <= i < model.vocab_size for i in config.vocab_subset):
+        raise AdapterError(f"{folder / 'config.json'}: its vocab_subset holds token ids outside [0, {model.vocab_size}) "
+                           f"of {model.name!r}; {REPAIR}")
     adapter = Adapter(config, model, cache_layer)
-    state = load_file(str(weights_file))
-    # assign: the block was copied from a target layer, which streams (meta parameters) under a memory budget
-    missing, unexpected = adapter.load_state_dict(state, strict=False, assign=True)
+    try:
+        state = load_file(str(weights_file))
+        # assign: the block was copied from a target layer, which streams (meta parameters) under a memory budget
+        missing, unexpected = adapter.load_state_dict(state, strict=False, assign=True)
+    except (SafetensorError, RuntimeError, OSError, ValueError) as error:  # e.g. a tensor of another shape
+        raise AdapterError(f"{weights_file} does not fit the adapter's block ({first_line(error)}); {REPAIR}") from None
     if missing or unexpected:
-        raise AdapterError(f"{weights_file} does not match the adapter's block: missing {missing}, unexpected {unexpected}")
+        raise AdapterError(f"{weights_file} does not match the adapter's block: missing tensor(s) {missing}, "
+                           f"unexpected {unexpected}; {REPAIR}")
     return adapter.to(model.dtype).eval().requires_grad_(False)
+
+
+def read_adapter_config(folder: Path) -> AdapterConfig:
+    """The checked config of an adapter folder, its ``model.safetensors`` checked as a file (`check_safetensors`):
+    a missing, damaged or truncated file is an `AdapterError` or a `DamagedFileError` naming it."""
+    config_file, weights_file = folder / "config.json", folder / "model.safetensors"
+    for needed in (config_file, weights_file):
+        if not needed.is_file():
+            raise AdapterError(f"adapter folder {str(folder)!r} lacks {needed.name}; train one with `cats train adapter`")
+    try:
+        data = json.loads(config_file.read_bytes())
+        config = AdapterConfig(**data)
+        config.layer = _whole(config.layer, "layer")
+        if config.vocab_subset is not None:
+            config.vocab_subset = [_whole(i, "vocab_subset") for i in config.vocab_subset]
+        if not isinstance(config.base_model, dict):
+            raise TypeError(f"base_model is {type(config.base_model).__name__}, not an object")
+    except (TypeError, ValueError, OSError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise AdapterError(f"{config_file} is not a CATS adapter config ({first_line(error)}); {REPAIR}") from None
+    config.validate()
+    check_safetensors(weights_file, REPAIR)
+    return config
+
+
+def _whole(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} holds {value!r}, not a whole number")
+    return value
 
 
 def find_draft_adapter(folder: str | Path, early_exit: bool = False) -> Path:

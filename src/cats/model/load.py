@@ -4,10 +4,19 @@ the linears optionally packed for the CPU kernels. Where the files come from: `c
 from __future__ import annotations
 
 import os
+import pickle
 
 import torch
+from safetensors import SafetensorError
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from cats.errors import InvalidArgumentError, ModelNotFoundError
+from cats.errors import (
+    CatsError,
+    DamagedFileError,
+    InvalidArgumentError,
+    ModelNotFoundError,
+)
+from cats.model.files import check_loading_info, check_model_folder
 from cats.model.kernels.packing import check_packing, pack_linears
 from cats.model.layered import LayeredModel, check_supported
 from cats.model.source import (
@@ -17,6 +26,18 @@ from cats.model.source import (
     resolve_dtype,
 )
 from cats.model.weights.offload import load_under_budget
+
+
+def check_device(device) -> None:
+    """A device this machine has: ``cpu``, or an accelerator torch can use here."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as error:
+        raise InvalidArgumentError(f"device {device!r} is not a torch device ({first_line(error)}); use 'cpu'") from None
+    available = kind == "cpu" or (getattr(torch, kind, None) is not None and hasattr(getattr(torch, kind), "is_available")
+                                  and getattr(torch, kind).is_available())
+    if not available:
+        raise InvalidArgumentError(f"device {device!r}: this machine has no {kind} device torch can use; use 'cpu'")
 
 
 def load_model(
@@ -50,25 +71,24 @@ def load_model(
         BudgetTooSmallError: a budget below the resident minimum (the message names it).
     """
     torch_dtype = resolve_dtype(dtype)
+    check_device(device)
     if pack_weights:
         check_packing(torch_dtype, memory_budget)
     if memory_budget is not None and device != "cpu":
         raise InvalidArgumentError(f"a memory budget streams layers into CPU memory; device {device!r} is not supported")
     folder = local_folder(str(model))
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     try:
         config = AutoConfig.from_pretrained(folder)
-    except (OSError, ValueError) as error:
-        raise ModelNotFoundError(f"cannot read a model config from {model!r}: {first_line(error)}") from None
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ModelNotFoundError(f"cannot read a model config from {model!r}: {first_line(error)}; "
+                                 "if its config.json is damaged, re-download the model") from None
     check_supported(config)
+    check_model_folder(folder)  # weights there, each safetensors file whole
     if tokenizer is None:
         tokenizer = load_tokenizer_from(folder, model)  # first: what it allocates then stays below the weights
     weights, plan = None, None
     if memory_budget is None:
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch_dtype, attn_implementation=attn_implementation
-        ).to(device)
+        hf_model = load_weights(folder, torch_dtype, attn_implementation).to(device)
     else:
         hf_model, plan, weights = load_under_budget(folder, config, torch_dtype, memory_budget, memory_needs,
                                                     offload_io, layer_store, attn_implementation)
@@ -78,3 +98,18 @@ def load_model(
         pack_linears(layered)
     return layered
 
+
+def load_weights(folder: str, dtype: torch.dtype, attn_implementation: str):
+    """transformers' model of ``folder``, all of its tensors read from the files: what transformers raises on a
+    damaged checkpoint, and the tensors it would silently start from random values, are a `DamagedFileError`."""
+    try:
+        hf_model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation,
+                                                              output_loading_info=True)
+    except CatsError:
+        raise
+    except (OSError, ValueError, RuntimeError, KeyError, IndexError, TypeError, EOFError, SafetensorError,
+            pickle.UnpicklingError) as error:
+        raise DamagedFileError(folder, f"could not be loaded by transformers ({type(error).__name__}: "
+                                       f"{first_line(error)})", "if a file in it is damaged, re-download the model") from error
+    check_loading_info(info, folder)
+    return hf_model

@@ -13,9 +13,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
-import sys
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -23,7 +20,15 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from cats.errors import InvalidArgumentError, MissingDependencyError, ModelNotFoundError
+from cats.cache_files import Damaged, check_folder, clean_stale, discard, notice, staging_folder, write_record
+from cats.errors import (
+    CatsError,
+    DamagedFileError,
+    InvalidArgumentError,
+    MissingDependencyError,
+    ModelNotFoundError,
+)
+from cats.model.files import check_gguf, check_model_folder
 from cats.model.layered import check_supported
 from cats.paths import cache_root
 
@@ -36,6 +41,8 @@ DTYPES = {
 
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+SOURCE_RECORD = "cats-source.json"  # in a converted folder: the GGUF file it came from and its files' records
+LEGACY_CONVERSION_STAGING = re.compile(r".+-[0-9a-f]{16}\.[a-z0-9_]{8}")  # older CATS versions' staging folders
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -53,12 +60,12 @@ def load_tokenizer(model: str | os.PathLike):
 
 
 def load_tokenizer_from(folder: str, model):
-    from transformers import AutoTokenizer
-
+    """The tokenizer in ``folder`` (None, with a warning, when there is none transformers can read)."""
     try:
         return AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError, TypeError) as error:
-        warnings.warn(f"model {model!r} has no usable tokenizer ({first_line(error)}); only token ids work")
+    except Exception as error:  # missing files (OSError), damaged tokenizer.json (various), unknown classes
+        warnings.warn(f"model {str(model)!r} has no tokenizer CATS can read ({type(error).__name__}: "
+                      f"{first_line(error)}); text prompts need one, token ids work without")
         return None
 
 
@@ -73,13 +80,13 @@ def local_folder(model: str) -> str:
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelNotFoundError(f"{model!r} is a file but not a .gguf file; pass a model folder, a .gguf file or a Hub id")
-        return str(convert_gguf(path))
+        return _converted(path)
     if path.is_dir():
         if (path / "config.json").is_file():
-            return str(path)
+            return str(path)  # its weights are checked once its architecture is known (`load_model`)
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return str(convert_gguf(ggufs[0]))
+            return _converted(ggufs[0])
         if len(ggufs) > 1:
             names = ", ".join(p.name for p in ggufs)
             raise ModelNotFoundError(f"folder {model!r} holds several .gguf files ({names}); pass one of them")
@@ -95,12 +102,29 @@ def _hub_snapshot(repo_id: str) -> str:
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+        folder = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
     except Exception as error:  # network errors, unknown repos, gated repos: all mean "cannot get it"
         raise ModelNotFoundError(
             f"{repo_id!r} is not a local path and could not be fetched from the Hugging Face Hub "
             f"({type(error).__name__}: {first_line(error)})"
         ) from None
+    check_model_folder(folder, f"delete the folder {folder} (the Hugging Face cache's copy) and run again to download it")
+    return folder
+
+
+def _converted(gguf_path: Path) -> str:
+    """The converted folder of a GGUF file: the file checked first (`check_gguf`), what the conversion raises
+    on a file that passed the check reported as one line naming it, the cached result checked after."""
+    check_gguf(gguf_path)
+    try:
+        folder = convert_gguf(gguf_path)
+    except CatsError:
+        raise
+    except Exception as error:  # gguf-py and transformers raise ValueError, IndexError, KeyError, ... on damage
+        raise DamagedFileError(gguf_path, f"could not be converted by transformers ({type(error).__name__}: "
+                                          f"{first_line(error)})", "if the file is damaged, re-download it") from error
+    check_model_folder(folder, f"delete the folder {folder} (the converted copy in the CATS cache) and run again")
+    return str(folder)
 
 
 def _file_digest(path: Path) -> str:
@@ -162,40 +186,48 @@ def convert_gguf(gguf_path: Path) -> Path:
     """Dequantise a GGUF file to a float32 safetensors folder in the cache, once; return that folder.
 
     The folder name carries the file's SHA-256, so a changed file is converted again. Conversion writes to a
-    temporary folder and renames it into place, so an interrupted conversion never looks finished."""
+    staging folder and renames it into place, so an interrupted conversion never looks finished; ``cats-source.json``
+    records every file written with its size, modification time and CRC-32 (`verify_conversion`). A folder that does
+    not match its record is converted again, with a one-line notice on stderr."""
     if importlib.util.find_spec("gguf") is None:
         raise MissingDependencyError(f"loading {gguf_path.name} needs the 'gguf' package: pip install gguf")
     target = cache_root() / "gguf" / f"{gguf_path.stem}-{_file_digest(gguf_path)[:16]}"
-    if (target / "cats-source.json").is_file():
+    clean_stale(target.parent, legacy=LEGACY_CONVERSION_STAGING)
+    try:
+        verify_conversion(target)
         return target
+    except FileNotFoundError:
+        pass
+    except Damaged as damage:
+        notice(f"the converted checkpoint is damaged: {damage}; converting {gguf_path.name} again")
+        discard(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    print(f"cats: converting {gguf_path.name} to a float32 safetensors checkpoint, once; cached in {target}",
-          file=sys.stderr, flush=True)
+    notice(f"converting {gguf_path.name} to a float32 safetensors checkpoint, once; cached in {target}")
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.enable_progress_bar()  # transformers' own bar over the tensors it de-quantizes
-    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        folder, name = str(gguf_path.parent), gguf_path.name
-        with gguf_parsed_once():
-            config = AutoConfig.from_pretrained(folder, gguf_file=name)
-            check_supported(config)
-            _drop_out_of_vocabulary_token_ids(config, name)
-            hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config, dtype=torch.float32)
-            _save_plain(hf_model, staging)
-            try:
-                AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(staging)
-            except Exception as error:  # some GGUF tokenizers (llama2.c conversions) are not readable by transformers
-                warnings.warn(f"could not convert the tokenizer of {name}: {first_line(error)}")
-        (staging / "cats-source.json").write_text(json.dumps({"gguf": str(gguf_path.resolve())}, indent=2))
-        try:
-            staging.rename(target)
-        except OSError:  # another process finished the same conversion first
-            shutil.rmtree(staging, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        with staging_folder(target) as staging:
+            folder, name = str(gguf_path.parent), gguf_path.name
+            with gguf_parsed_once():
+                config = AutoConfig.from_pretrained(folder, gguf_file=name)
+                check_supported(config)
+                _drop_out_of_vocabulary_token_ids(config, name)
+                hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config,
+                                                                dtype=torch.float32)
+                _save_plain(hf_model, staging)
+                try:
+                    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(staging)
+                except Exception as error:  # some GGUF tokenizers (llama2.c conversions) are not readable by transformers
+                    warnings.warn(f"could not convert the tokenizer of {name}: {first_line(error)}")
+            write_record(staging, SOURCE_RECORD, {"gguf": str(gguf_path.resolve())})
     finally:
         if not bars:
             hf_logging.disable_progress_bar()
     return target
 
+
+def verify_conversion(folder: Path) -> None:
+    """Check a converted folder against ``cats-source.json``: every file it records is there with its size and,
+    when its modification time changed, its CRC-32. Raises FileNotFoundError when nothing was converted there,
+    `cats.cache_files.Damaged` when something does not match."""
+    check_folder(folder, SOURCE_RECORD)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from cats.errors import InvalidArgumentError
+from cats.errors import InvalidArgumentError, NoTokenizerError
 from cats.model.identity import model_identity
 from cats.prompts import chat_prompt_ids, read_prompt_file
 from cats.train.folder import (
@@ -97,7 +97,7 @@ class DataConfig:
                 f"--max-prompt-tokens {self.max_prompt_tokens} plus --max-new-tokens {self.max_new_tokens} exceed "
                 f"the model's context window of {model.context_length} tokens")
         if model.tokenizer is None:
-            raise InvalidArgumentError(f"model {model.name!r} has no tokenizer; cats train data needs one")
+            raise NoTokenizerError(f"model {model.name!r} has no tokenizer; cats train data needs one", model.name)
         if not getattr(model.tokenizer, "chat_template", None):
             raise InvalidArgumentError(f"model {model.name!r} has no chat template; cats train data applies it to "
                                        "every prompt")

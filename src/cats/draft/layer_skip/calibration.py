@@ -22,17 +22,18 @@ This is greedy-by-importance plus random local search; CAS-Spec/SWIFT use random
 optimisation over the same space. The scan captures most of the signal on the models we tried (a sublayer that is
 nearly an identity scores ~1 alone), and the local search fixes interactions at a fixed, predictable cost.
 
-Cache: ``$CATS_CACHE/skip-sets/<model fingerprint>.json``; where it has no entry for a sparsity, the skip sets
-shipped in ``skip_sets/`` beside this module (the default model's, calibrated with the default settings) are used
-before calibrating. A file holds one entry per sparsity with the settings and prompts digest it was calibrated
-with; a file made for another fingerprint (`cats.model.identity`) is ignored.
+Cache: ``$CATS_CACHE/skip-sets/<model fingerprint>.json``, written atomically with a CRC-32 of its content
+(`cats.cache_files`: a file that does not match it is removed, with a notice, and calibrated again); where it has
+no entry for a sparsity, the skip sets shipped in ``skip_sets/`` beside this module (the default model's,
+calibrated with the default settings) are used before calibrating. A file holds one entry per sparsity with the
+settings and prompts digest it was calibrated with; a file made for another fingerprint (`cats.model.identity`) is
+ignored.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import sys
 import time
@@ -42,8 +43,9 @@ from pathlib import Path
 
 import torch
 
+from cats.cache_files import Damaged, clean_stale, discard, notice, read_json, write_json
 from cats.draft.layer_skip.drafter import SkipModel, SkipSet
-from cats.errors import InvalidArgumentError
+from cats.errors import InvalidArgumentError, NoTokenizerError
 from cats.model import LayeredModel
 from cats.model.identity import model_fingerprint, model_identity
 from cats.paths import cache_root, shared_path
@@ -117,7 +119,8 @@ def calibration_prompts(model: LayeredModel, source: str | Path | None = None, c
     JSON or question JSON lines, see `cats.prompts`), else the ShareGPT sample in ``../shared/data`` when
     present, else the built-in prompts. Chat-template models get each prompt as one user message."""
     if model.tokenizer is None:
-        raise InvalidArgumentError(f"model {model.name!r} has no tokenizer: pass calibration prompts as token ids")
+        raise NoTokenizerError(f"model {model.name!r} has no tokenizer: pass calibration prompts as token ids",
+                               model.name)
     if count < 1:
         raise InvalidArgumentError(f"calibration needs at least one prompt, got {count}")
     path = Path(source) if source is not None else default_prompt_source()
@@ -279,13 +282,21 @@ def shipped_skip_set_file(model: LayeredModel) -> Path:
 
 def load_cached(model: LayeredModel, path: Path | None = None) -> dict[str, CalibrationResult]:
     """The cached skip sets of this model by sparsity key (``"0.4"``); empty when none (or the file belongs to
-    another model fingerprint, or is unreadable). ``path``: another skip-set file (default: the cache's)."""
+    another model fingerprint, or is unreadable). ``path``: another skip-set file (default: the cache's, whose
+    checksum is checked: a damaged one is removed with a notice, and its skip sets are calibrated again)."""
+    cached = path is None
     path = path or skip_set_file(model)
     try:
-        data = json.loads(path.read_text())
+        if cached:
+            clean_stale(path.parent)
+        data = read_json(path) if cached else json.loads(path.read_text())
         if data.get("format") != FORMAT or data["model"]["fingerprint"] != model_fingerprint(model):
             return {}
         results = {key: CalibrationResult.from_dict(entry) for key, entry in data["skip_sets"].items()}
+    except Damaged as damage:
+        notice(f"the cached skip sets are damaged: {damage}; removed, they are calibrated again when needed")
+        discard(path)
+        return {}
     except (OSError, ValueError, KeyError, TypeError):
         return {}
     for result in results.values():
@@ -301,9 +312,7 @@ def store(model: LayeredModel, results: Sequence[CalibrationResult]) -> Path:
         entries[_sparsity_key(result.sparsity)] = result.to_dict()
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {"format": FORMAT, "model": model_identity(model), "skip_sets": dict(sorted(entries.items()))}
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(temporary, path)
+    write_json(path, data)
     return path
 
 

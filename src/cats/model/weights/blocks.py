@@ -16,6 +16,7 @@ why and stores keep plain weights.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import platform
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from cats.cache_files import Damaged, clean_stale, read_json, write_json
 from cats.model.kernels.native import build_library
 from cats.model.weights.budget import numel
 from cats.model.weights.parts import pread_exact
@@ -145,19 +147,16 @@ class GGUFBlocks:
             return None
         key = _file_record(path)
         index = Path(folder) / "cats-blocks.json"  # the file's tensor index, kept beside the checkpoint
+        clean_stale(Path(folder), index.name)
         try:
-            kept = json.loads(index.read_text())
+            kept = read_json(index)
             if kept["file"] == key:
                 return cls(path, kept["layers"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, Damaged, KeyError, TypeError):
             pass  # none yet, or damaged: index the file again
         blocks = cls(path)
-        partial = index.with_name(f".{index.name}.{os.getpid()}")
-        try:
-            partial.write_text(json.dumps({"file": key, "layers": blocks.layers}))
-            os.replace(partial, index)
-        except OSError:  # a read-only checkpoint folder: index it again next time
-            partial.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a read-only checkpoint folder: index it again next time
+            write_json(index, {"file": key, "layers": blocks.layers})
         return blocks
 
     def record(self) -> dict:

@@ -3,7 +3,8 @@ each decoder layer), in the dtype the model runs in, made once and kept under ``
 
 Layout of a store folder::
 
-    store.json          format, model fingerprint, dtype, source, and each part's file name and size
+    store.json          format, model fingerprint, dtype, source, and each part's file name, size, mtime_ns and
+                        CRC-32 (`cats.cache_files`), with a CRC-32 of its own content
     embed.safetensors   model.embed_tokens (tensor names relative to the part's module: "weight")
     norm.safetensors    model.norm
     lm_head.safetensors lm_head (absent when tied to the embeddings)
@@ -15,9 +16,11 @@ into a page-aligned buffer, and its tensors are views of that buffer.
 
 A store is built from the checkpoint tensor by tensor (`build_from_checkpoint`: memory stays at one tensor, so a
 model that does not fit in memory can still be stored) or from a model already in memory (`build_from_model`).
-It is written into a temporary folder and renamed into place, so an interrupted build never looks finished; free
-disk space is checked before writing. Opening checks the format, the model fingerprint, the dtype and every file's
-size, so a truncated file or a store of another model is caught before any token is generated.
+It is written into a staging folder, ``fsync``ed and renamed into place, so an interrupted build never looks
+finished (a killed build's staging folder is removed by the next one); free disk space is checked before writing.
+Opening checks ``store.json``'s own checksum, the format, the model fingerprint, the dtype, every file's size, and
+the CRC-32 of every file whose modification time changed, so a truncated or overwritten file or a store of another
+model is caught before any token is generated.
 
 A store made from a GGUF file's checkpoint (the folder `cats.model.source.convert_gguf` writes) keeps each decoder
 layer's weights in the file's own quantised blocks (`cats.model.weights.blocks`) wherever decoding them gives the
@@ -30,17 +33,17 @@ part's ``coded``; `LayerStore.read` and the layer reader decode it. Everything e
 from __future__ import annotations
 
 import hashlib
-import json
+import re
 import shutil
 import sys
-import tempfile
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from cats.cache_files import (Damaged, check_files, clean_stale, describe_files, discard, notice, read_json,
+                              staging_folder, write_json)
 from cats.model.identity import fingerprint_of, fingerprint_rows
 import cats.model.weights.blocks as blocks
 from cats.model.weights.budget import MIB, STORE_ALIGNMENT, mib, round_up
@@ -60,8 +63,9 @@ from cats.model.weights.parts import (
 )
 from cats.paths import cache_root
 
-FORMAT = "cats-layer-store/1"
+FORMAT = "cats-layer-store/2"
 META_FILE = "store.json"
+LEGACY_STAGING = re.compile(r"\..+-[0-9a-f]{12}\.[a-z0-9_]{8}")  # older CATS versions' staging folders
 
 
 # --------------------------------------------------------------------------------------------- part files
@@ -167,16 +171,17 @@ class LayerStore:
 
 
 def open_store(folder: Path, fingerprint: str, dtype: torch.dtype, num_layers: int, config=None) -> LayerStore:
-    """Open and check a store: format, recorded model fingerprint, dtype, the size of every part file, and (with
-    ``config``) the fingerprint of the lm_head it actually holds."""
+    """Open and check a store: ``store.json``'s checksum, format, recorded model fingerprint, dtype, every part
+    file's size (and CRC-32 when its modification time changed), and (with ``config``) the fingerprint of the
+    lm_head it actually holds."""
     folder = Path(folder)
     meta_file = folder / META_FILE
     try:
-        meta = json.loads(meta_file.read_text())
+        meta = read_json(meta_file)
     except FileNotFoundError:
         raise StoreError(f"{folder} is not a layer store (no {META_FILE})") from None
-    except (OSError, json.JSONDecodeError) as error:
-        raise StoreError(f"cannot read {meta_file}: {error}") from None
+    except Damaged as damage:
+        raise StoreError(f"cannot use {folder}: {damage}") from None
     if meta.get("format") != FORMAT:
         raise StoreError(f"{folder} is not a {FORMAT} layer store")
     if meta.get("fingerprint") != fingerprint:
@@ -185,12 +190,13 @@ def open_store(folder: Path, fingerprint: str, dtype: torch.dtype, num_layers: i
     if meta.get("dtype") != str(dtype).removeprefix("torch.") or meta.get("num_layers") != num_layers:
         raise StoreError(f"layer store {folder} holds {meta.get('num_layers')} layers in {meta.get('dtype')}, "
                          f"not {num_layers} in {str(dtype).removeprefix('torch.')}")
-    for part, info in meta["parts"].items():
-        path = folder / info["file"]
-        size = path.stat().st_size if path.is_file() else None
-        if size != info["size"]:
-            state = "is missing" if size is None else f"has {size} bytes, not {info['size']} (truncated or damaged)"
-            raise StoreError(f"layer file {path} {state}; delete {folder} to rebuild the store")
+    try:
+        if check_files(folder, {info["file"]: info for info in meta["parts"].values()}):
+            write_json(meta_file, meta)  # same content, new modification times: not read again next time
+    except Damaged as damage:
+        raise StoreError(f"layer file {damage}; delete {folder} to rebuild the store") from None
+    except OSError:  # a read-only store: checked again next time
+        pass
     if any(info.get("coded") for info in meta["parts"].values()):
 
         reason = blocks.unavailable()
@@ -224,14 +230,15 @@ def ensure_store(folder: Path | None, fingerprint: str, dtype: torch.dtype, conf
     holding quantised blocks."""
     explicit, num_layers = folder is not None, config.num_hidden_layers
     folder = Path(folder) if explicit else default_store_folder(fingerprint, dtype, source["digest"])
-    if (folder / META_FILE).is_file():
+    clean_stale(folder.parent, folder.name if explicit else None, None if explicit else LEGACY_STAGING)
+    if (folder / META_FILE).is_file() or (not explicit and folder.exists()):
         try:
             return open_store(folder, fingerprint, dtype, num_layers, config)
         except StoreError as error:
             if explicit:
                 raise
-            warnings.warn(f"rebuilding the layer store: {error}")
-            shutil.rmtree(folder, ignore_errors=True)
+            notice(f"rebuilding the layer store: {str(error).partition('; delete ')[0]}")  # rebuilt, not deleted by hand
+            discard(folder)
     elif explicit and folder.exists() and any(folder.iterdir()):
         raise StoreError(f"{folder} exists and is not a layer store; pass an empty or new folder")
     build(folder, fingerprint, dtype, num_layers, source, parts, write)
@@ -248,24 +255,20 @@ def build(folder: Path, fingerprint: str, dtype: torch.dtype, num_layers: int, s
                          "are free; free some disk space or set CATS_CACHE to a larger disk")
     print(f"cats: writing the layer store for the memory budget, once ({mib(needed)}); cached in {folder}",
           file=sys.stderr, flush=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        sizes = write(staging)
-        meta = {"format": FORMAT, "fingerprint": fingerprint, "dtype": str(dtype).removeprefix("torch."),
+        with staging_folder(folder) as staging:
+            infos = write(staging)
+            files = describe_files(staging, [f"{part}.safetensors" for part in infos])
+            parts = {part: {"file": f"{part}.safetensors", **(info if isinstance(info, dict) else {"size": info}),
+                            **files[f"{part}.safetensors"]} for part, info in infos.items()}
+            write_json(staging / META_FILE, {
+                "format": FORMAT, "fingerprint": fingerprint, "dtype": str(dtype).removeprefix("torch."),
                 "num_layers": num_layers, "source": source, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "parts": {part: {"file": f"{part}.safetensors", **(info if isinstance(info, dict) else {"size": info})}
-                          for part, info in sizes.items()}}
-        (staging / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        try:
-            staging.rename(folder)
-        except OSError:  # another process finished the same store first
-            shutil.rmtree(staging, ignore_errors=True)
+                "parts": parts})
     except OSError as error:
-        shutil.rmtree(staging, ignore_errors=True)
         raise StoreError(f"writing the layer store in {folder.parent} failed: {error.strerror or error}") from None
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    except Damaged as damage:
+        raise StoreError(f"writing the layer store in {folder.parent} failed: {damage}") from None
 
 
 # --------------------------------------------------------------------------------------------- building
