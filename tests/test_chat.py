@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from cats.cli.chat import ChatSession
+from cats.cli.chat import Chat
 from cats.draft import PromptLookupDrafter
 from cats.config import GenerationConfig
 from cats.loop.generator import Generator
@@ -27,20 +27,20 @@ def greedy_answer(model, messages, max_new_tokens):
 
 
 def test_answers_see_the_history_and_reset_forgets_it(model):
-    session = ChatSession(Generator(model, PromptLookupDrafter()), system="Tell stories.", max_new_tokens=20)
+    conversation = Chat(Generator(model, PromptLookupDrafter()), system="Tell stories.", max_new_tokens=20)
     system = [{"role": "system", "content": "Tell stories."}]
     streamed = []
-    first, stats = session.answer("Once upon a time", streamed.append)
+    first, stats = conversation.answer("Once upon a time", streamed.append)
     history = [{"role": "user", "content": "Once upon a time"}, {"role": "assistant", "content": first}]
     assert "".join(streamed) == first == greedy_answer(model, system + history[:1], 20)
     assert stats.method == "pld" and stats.new_tokens == 20 and stats.mean_accepted >= 1
-    assert session.history == history
+    assert conversation.history == history
 
-    second, _ = session.answer("The dog", lambda _: None)
+    second, _ = conversation.answer("The dog", lambda _: None)
     assert second == greedy_answer(model, system + history + [{"role": "user", "content": "The dog"}], 20)
-    session.reset()
-    assert session.history == []
-    assert session.answer("The dog", lambda _: None)[0] == greedy_answer(
+    conversation.reset()
+    assert conversation.history == []
+    assert conversation.answer("The dog", lambda _: None)[0] == greedy_answer(
         model, system + [{"role": "user", "content": "The dog"}], 20)
 
 
@@ -49,22 +49,22 @@ def test_old_turns_are_dropped_to_fit_the_context_window(stories_chat_dir):
 
     model = cats.load_model(str(stories_chat_dir))
     model.config.max_position_embeddings = 80  # a small context window
-    session = ChatSession(Generator(model), max_new_tokens=20)
+    conversation = Chat(Generator(model), max_new_tokens=20)
     for _ in range(4):
-        session.answer("Once upon a time there was a cat", lambda _: None)
-        assert len(encode_chat(model, session.messages())) < 80
-    assert session.dropped >= 2 and session.history[-2]["role"] == "user"
+        conversation.answer("Once upon a time there was a cat", lambda _: None)
+        assert len(encode_chat(model, conversation.messages())) < 80
+    assert conversation.dropped >= 2 and conversation.history[-2]["role"] == "user"
 
 
 def test_interrupted_answer_is_taken_back(model):
-    session = ChatSession(Generator(model), max_new_tokens=20)
+    conversation = Chat(Generator(model), max_new_tokens=20)
 
     def interrupt(_):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        session.answer("Once upon a time", interrupt)
-    assert session.history == []
+        conversation.answer("Once upon a time", interrupt)
+    assert conversation.history == []
 
 
 def test_cats_chat_command(stories_chat_dir, model, monkeypatch, capsys):

@@ -27,7 +27,7 @@ from cats.prompts import encode_chat
 HELP = "/reset clears the history, /exit (or Ctrl-D) quits, Ctrl-C stops an answer"
 
 
-class ChatSession:
+class Chat:
     """A conversation with one model: each answer sees the whole history (oldest turns are dropped when the
     history no longer fits into the context window). ``sampling``: temperature, top_p, seed (default: greedy, as
     ``cats chat``)."""
@@ -116,12 +116,12 @@ def run_chat(args) -> int:
         raise NoTokenizerError(f"model {model.name!r} has no tokenizer; cats chat needs one", model.name)
     if not getattr(model.tokenizer, "chat_template", None):
         raise InvalidArgumentError(f"model {model.name!r} has no chat template; cats chat needs one")
-    session = ChatSession(build_generator(args, model), system=args.system, max_new_tokens=args.max_new_tokens,
+    conversation = Chat(build_generator(args, model), system=args.system, max_new_tokens=args.max_new_tokens,
                           **sampling)
     interactive = sys.stdin.isatty()
     if interactive:
         import readline  # noqa: F401  (line editing and input history for input())
-    print(f"cats chat: {model.name}, method {session.generator.method}. {HELP}.", file=sys.stderr, flush=True)
+    print(f"cats chat: {model.name}, method {conversation.generator.method}. {HELP}.", file=sys.stderr, flush=True)
     while True:
         try:
             line = input("> " if interactive else "")
@@ -136,15 +136,15 @@ def run_chat(args) -> int:
         if text in ("/exit", "/quit"):
             break
         if text == "/reset":
-            session.reset()
+            conversation.reset()
             print("(history cleared)", file=sys.stderr, flush=True)
             continue
         if text.startswith("/") and " " not in text:
             print(f"unknown command {text}: {HELP}", file=sys.stderr, flush=True)
             continue
-        dropped = session.dropped
+        dropped = conversation.dropped
         try:
-            _, stats = session.answer(text, lambda delta: print(delta, end="", flush=True))
+            _, stats = conversation.answer(text, lambda delta: print(delta, end="", flush=True))
         except KeyboardInterrupt:
             print("\n(stopped)", file=sys.stderr, flush=True)
             continue
@@ -152,8 +152,8 @@ def run_chat(args) -> int:
             print(f"cats: {error}", file=sys.stderr, flush=True)
             continue
         print(flush=True)
-        if session.dropped > dropped:
-            print(f"(dropped the {session.dropped - dropped} oldest messages to fit the context window)",
+        if conversation.dropped > dropped:
+            print(f"(dropped the {conversation.dropped - dropped} oldest messages to fit the context window)",
                   file=sys.stderr)
         print(stats_line(stats), file=sys.stderr, flush=True)
     return 0
