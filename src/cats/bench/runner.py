@@ -35,6 +35,7 @@ from cats.bench.answers import (
     new_answer,
     read_answers,
 )
+from cats.bench.catalog import make_method
 from cats.bench.memory import PeakRssSampler
 from cats.bench.methods import (
     HF_METHODS,
@@ -44,7 +45,6 @@ from cats.bench.methods import (
     BenchMethod,
     MethodSettings,
     MethodUnavailableError,
-    make_method,
 )
 from cats.bench.plots import (
     ACCEPT_PLOT,

@@ -16,13 +16,13 @@ from pathlib import Path
 
 from cats.api import prepare, quiet_transformers
 from cats.bench.answers import AnswerWriter
+from cats.bench.catalog import make_method
 from cats.bench.methods import (
     BenchContext,
     CatsMethod,
     MethodSettings,
     MethodUnavailableError,
     SamplingSettings,
-    make_method,
 )
 from cats.bench.runner import BenchConfig, answer_question
 from cats.config import DraftConfig, KernelConfig, MemoryConfig

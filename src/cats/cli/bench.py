@@ -6,12 +6,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from cats.bench.catalog import known_methods, parse_methods
 from cats.bench.equal import compare_answers
 from cats.bench.methods import (
     MethodSettings,
     SamplingSettings,
-    known_methods,
-    parse_methods,
 )
 from cats.bench.prompts import PROMPT_FORMATS
 from cats.bench.runner import TURN_MODES, BenchConfig, run_bench

