@@ -96,14 +96,27 @@ class DraftConfig:
         if self.threshold is not None and not (_is_number(self.threshold) and 0 <= self.threshold < 1):
             raise InvalidArgumentError(f"threshold (the draft confidence stop) must lie in [0, 1), got {self.threshold!r}")
         if self.sparsity is not None:
-            values = (self.sparsity,) if _is_number(self.sparsity) else self.sparsity
-            if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) \
-                    or not all(_is_number(v) and 0 < v < 1 for v in values):
-                raise InvalidArgumentError(f"sparsity must be a number in (0, 1) or a list of them, got {self.sparsity!r}")
+            self.sparsities(())  # checks them
         if not (_is_number(self.sv_threshold) and 0 <= self.sv_threshold < 1):
             raise InvalidArgumentError(f"sv_threshold must lie in [0, 1), got {self.sv_threshold!r}")
         if not (_is_int(self.sv_passes) and self.sv_passes >= 1):
             raise InvalidArgumentError(f"sv_passes must be an integer >= 1, got {self.sv_passes!r}")
+
+    def sparsities(self, default: tuple[float, ...]) -> tuple[float, ...]:
+        """``sparsity`` as a tuple of distinct floats in (0, 1) (``default`` when None)."""
+        if self.sparsity is None:
+            return default
+        values = (self.sparsity,) if _is_number(self.sparsity) else self.sparsity
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise InvalidArgumentError(f"sparsity must be a number in (0, 1) or a list of them, got {self.sparsity!r}")
+        if not values:
+            raise InvalidArgumentError("--sparsity is empty")
+        for v in values:
+            if not (_is_number(v) and 0 < v < 1):
+                raise InvalidArgumentError(f"sparsity must lie in (0, 1), got {v!r}")
+        if len(set(values)) != len(values):
+            raise InvalidArgumentError(f"--sparsity repeats a value: {', '.join(map(str, values))}")
+        return tuple(float(v) for v in values)
 
 
 @dataclass

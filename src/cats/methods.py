@@ -9,7 +9,7 @@ settings apply to it (the rest are refused, never ignored), what it needs reside
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,20 +95,6 @@ def _feature_adapter(adapters: str | None, model: LayeredModel):
     return load_adapter(folder, model, role="draft", layer=model.num_layers)
 
 
-def _sparsities(value: float | Sequence[float] | None, default: tuple[float, ...]) -> tuple[float, ...]:
-    if value is None:
-        return default
-    values = (value,) if isinstance(value, (int, float)) else tuple(value)
-    if not values:
-        raise InvalidArgumentError("--sparsity is empty")
-    for v in values:
-        if not 0.0 < float(v) < 1.0:
-            raise InvalidArgumentError(f"sparsity must lie in (0, 1), got {v}")
-    if len(set(values)) != len(values):
-        raise InvalidArgumentError(f"--sparsity repeats a value: {', '.join(map(str, values))}")
-    return tuple(float(v) for v in values)
-
-
 def make_layer_skip(model: LayeredModel, sparsity: float, num_tokens: int = 4, threshold: float = 0.0,
                     assist: Drafter | None = None, progress: bool = True) -> LayerSkipDrafter:
     """A layer-skip drafter with the model's cached (or newly calibrated) skip set at ``sparsity``."""
@@ -146,7 +132,7 @@ def _layer_skip(model, d: DraftConfig, threshold, progress):
     if d.adapters is not None:
         raise InvalidArgumentError("--adapters does not apply to layer-skip (it needs no training); use dytc to "
                                    "combine layer skipping with the draft adapter")
-    values = _sparsities(d.sparsity, (LAYER_SKIP_SPARSITY,))
+    values = d.sparsities((LAYER_SKIP_SPARSITY,))
     if len(values) != 1:
         raise InvalidArgumentError(f"layer-skip takes one sparsity, got {', '.join(map(str, values))}")
     return make_layer_skip(model, values[0], num_tokens=d.num_draft_tokens or 4, threshold=threshold,
@@ -158,7 +144,7 @@ def _dytc(model, d: DraftConfig, threshold, progress):
         raise InvalidArgumentError("--threshold does not apply to dytc: the scheduler chooses draft lengths itself")
     bucket = speculation_for(model)[0]  # the default shape: nothing streams here
     feature = _feature_adapter(d.adapters, model)  # a feature/ adapter in DIR is used instead of draft/
-    return make_dytc(model, _sparsities(d.sparsity, DYTC_SPARSITIES), feature_adapter=feature,
+    return make_dytc(model, d.sparsities(DYTC_SPARSITIES), feature_adapter=feature,
                      adapter=_draft_adapter(d.adapters, model) if feature is None else None,
                      max_ngram=d.max_ngram, num_tokens=d.num_draft_tokens,
                      tree_topk=bucket.tree_topk if d.tree_topk is None else d.tree_topk,
@@ -219,18 +205,14 @@ def _with_speculation(model, drafter, chosen):
     return drafter
 
 
-def _cats(model, d: DraftConfig, threshold, progress):
-    if d.adapters is None:
-        raise InvalidArgumentError("method 'cats' needs --adapters DIR holding trained draft/ and shallow/ adapters "
-                                   "(cats train adapter); without adapters use tree or early-exit")
-    return _tree(model, d, threshold, progress)
-
-
-def _cats_no_shallow(model, d: DraftConfig, threshold, progress):
-    if d.adapters is None:
-        raise InvalidArgumentError("method 'cats-no-shallow' needs --adapters DIR holding trained draft/ and shallow/ "
-                                   "adapters (cats train adapter); without adapters use tree or early-exit")
-    return _tree(model, d, threshold, progress)
+def _adapter_tree(name: str):
+    """The drafter factory of ``cats`` and ``cats-no-shallow``: the draft adapter's trees, which need adapters."""
+    def make(model, d: DraftConfig, threshold, progress):
+        if d.adapters is None:
+            raise InvalidArgumentError(f"method {name!r} needs --adapters DIR holding trained draft/ and shallow/ "
+                                       "adapters (cats train adapter); without adapters use tree or early-exit")
+        return _tree(model, d, threshold, progress)
+    return make
 
 
 # ----------------------------------------------------------------------------------------------- memory needs
@@ -335,10 +317,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("early-exit", "chain from the early exit", _early_exit, _early_exit_needs,
            frozenset({"num_draft_tokens", "draft_layer", "adapters", "threshold"}), CONFIDENCE_STOP),
     Method("tree", "dynamic draft tree from the early exit", _tree, _tree_needs, _TREE, CONFIDENCE_STOP),
-    Method("cats", "draft adapter + tree + shallow-verifier cascade; needs --adapters", _cats, _cats_needs,
-           _TREE | {"sv_threshold", "sv_passes"}, CONFIDENCE_STOP, cascade=True),
-    Method("cats-no-shallow", "cats without the shallow-verifier cascade", _cats_no_shallow, _tree_needs, _TREE,
-           CONFIDENCE_STOP),
+    Method("cats", "draft adapter + tree + shallow-verifier cascade; needs --adapters", _adapter_tree("cats"),
+           _cats_needs, _TREE | {"sv_threshold", "sv_passes"}, CONFIDENCE_STOP, cascade=True),
+    Method("cats-no-shallow", "cats without the shallow-verifier cascade", _adapter_tree("cats-no-shallow"),
+           _tree_needs, _TREE, CONFIDENCE_STOP),
     Method("layer-skip", "calibrated sublayers skipped", _layer_skip, _all_layer_needs,
            frozenset({"num_draft_tokens", "threshold", "sparsity"}), all_layers=True),
     Method("dytc", "scheduler over prompt lookup, token recycling, layer skipping and, with --adapters, the draft "

@@ -113,9 +113,9 @@ def _hub_snapshot(repo_id: str) -> str:
 
 
 def _converted(gguf_path: Path) -> str:
-    """The converted folder of a GGUF file: the file checked first (`check_gguf`), what the conversion raises
-    on a file that passed the check reported as one line naming it, the cached result checked after."""
-    check_gguf(gguf_path)
+    """The converted folder of a GGUF file (the file is checked by `check_gguf` before it is converted), what the
+    conversion raises on a file that passed the check reported as one line naming it, the cached result checked
+    after."""
     try:
         folder = convert_gguf(gguf_path)
     except CatsError:
@@ -201,6 +201,7 @@ def convert_gguf(gguf_path: Path) -> Path:
     except Damaged as damage:
         notice(f"the converted checkpoint is damaged: {damage}; converting {gguf_path.name} again")
         discard(target)
+    check_gguf(gguf_path)  # only before converting: a cached conversion is keyed by the file's SHA-256
     target.parent.mkdir(parents=True, exist_ok=True)
     notice(f"converting {gguf_path.name} to a float32 safetensors checkpoint, once; cached in {target}")
     bars = hf_logging.is_progress_bar_enabled()
