@@ -125,7 +125,7 @@ def test_staging_of_a_killed_process_is_removed_and_a_live_ones_kept(tmp_path):
 @pytest.mark.parametrize("fault", FAULTS)
 def test_damaged_conversion_is_converted_again(cache, fault, capsys):
     with pytest.warns(UserWarning):
-        first = cats.load_model(STORIES_GGUF)
+        first = cats.load_model(STORIES_GGUF, kernels="aten")
     ids = torch.tensor([1, 400, 30, 87, 5])
     with torch.no_grad():
         expected = first.forward(ids, first.new_cache())
@@ -135,13 +135,13 @@ def test_damaged_conversion_is_converted_again(cache, fault, capsys):
     os.utime(folder / "config.json")  # touched, same content: trusted after one read, no conversion
     capsys.readouterr()
     with pytest.warns(UserWarning):
-        cats.load_model(STORIES_GGUF)
+        cats.load_model(STORIES_GGUF, kernels="aten")
     assert "cats:" not in capsys.readouterr().err
     assert not stale.exists() and live.exists()
 
     damage(checkpoint, fault)
     with pytest.warns(UserWarning):
-        again = cats.load_model(STORIES_GGUF)
+        again = cats.load_model(STORIES_GGUF, kernels="aten")
     err = capsys.readouterr().err
     notices = [line for line in err.splitlines() if line.startswith("cats: the converted checkpoint is damaged: ")]
     assert len(notices) == 1
@@ -155,11 +155,11 @@ def test_damaged_conversion_is_converted_again(cache, fault, capsys):
 @needs(STORIES_GGUF)
 def test_conversion_of_an_older_cats_without_records_is_converted_again(cache, capsys):
     with pytest.warns(UserWarning):
-        cats.load_model(STORIES_GGUF)
+        cats.load_model(STORIES_GGUF, kernels="aten")
     (folder,) = (cache / "gguf").iterdir()
     (folder / "cats-source.json").write_text(json.dumps({"gguf": str(STORIES_GGUF.resolve())}))
     with pytest.warns(UserWarning):
-        cats.load_model(STORIES_GGUF)
+        cats.load_model(STORIES_GGUF, kernels="aten")
     assert "has no checksum" in capsys.readouterr().err
     cats.model.source.verify_conversion(folder)
 

@@ -25,7 +25,7 @@ def test_hf_folder_loads_with_tokenizer_and_dtype():
 def test_gguf_is_converted_once_and_matches_the_hf_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("CATS_CACHE", str(tmp_path / "cache"))
     with pytest.warns(UserWarning, match="tokenizer"):  # llama2.c GGUF tokenizers are not readable by transformers
-        from_gguf = cats.load_model(STORIES_GGUF)
+        from_gguf = cats.load_model(STORIES_GGUF, kernels="aten")
     converted = list((tmp_path / "cache" / "gguf").iterdir())
     assert len(converted) == 1 and (converted[0] / "model.safetensors").is_file()
     assert json.loads((converted[0] / "cats-source.json").read_text())["gguf"] == str(STORIES_GGUF.resolve())
@@ -39,7 +39,7 @@ def test_gguf_is_converted_once_and_matches_the_hf_folder(tmp_path, monkeypatch)
 
     monkeypatch.setattr(load_module, "_save_plain", no_second_conversion)
     with pytest.warns(UserWarning):
-        cats.load_model(STORIES_GGUF.parent)  # a folder holding one .gguf file: the cached conversion is reused
+        cats.load_model(STORIES_GGUF.parent, kernels="aten")  # a folder holding one .gguf file: the cached conversion is reused
 
 
 def test_gguf_without_gguf_package_is_a_clear_error(tmp_path, monkeypatch):

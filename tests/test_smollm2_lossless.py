@@ -42,7 +42,7 @@ SKIP_04 = SkipSet(attention=(2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 17, 25, 26
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return cats.load_model(SMOLLM2, dtype="float32")
+    return cats.load_model(SMOLLM2, dtype="float32", kernels="aten")
 
 
 @pytest.fixture(scope="module")
@@ -137,23 +137,33 @@ def test_smollm2_matches_transformers_greedy(smollm2, references, method, capsys
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# bf16 with packed weights on the AVX-512 kernels: every linear and every few-query attention is row-invariant there
-# (cats.model.kernels.avx512), so speculative decoding must reproduce packed plain decoding exactly, with no near-tie allowance
+# Two row-invariant configurations: the GGUF file on its own blocks (the default: `cats.model.kernels.quantized`, with
+# the AVX-512 attention kernel), and bf16 with packed weights on the AVX-512 kernels (`cats.model.kernels.avx512`).
+# Every linear and every few-query attention is row-invariant there, so speculative decoding must reproduce the
+# model's own plain decoding exactly, with no near-tie allowance.
+EXACT = ["gguf-blocks", "bf16-packed"]
 
 
-@pytest.fixture(scope="module")
-def smollm2_bf16_packed():
-    from cats.model.kernels import avx512
+@pytest.fixture(scope="module", params=EXACT)
+def exact_model(request):
+    from cats.model.kernels import avx512, quantized
 
+    if request.param == "gguf-blocks":
+        reason = quantized.unavailable() or avx512.unavailable(torch.float32)
+        if reason is not None:
+            pytest.skip(f"quantised kernels: {reason}")
+        model = cats.load_model(SMOLLM2)
+        assert model.kernel_path.startswith("gguf-blocks")
+        return model
     reason = avx512.unavailable(torch.bfloat16)
     if reason is not None:
         pytest.skip(f"AVX-512 bf16 kernels: {reason}")
-    return cats.load_model(SMOLLM2, dtype="bfloat16", pack_weights=True)
+    return cats.load_model(SMOLLM2, dtype="bfloat16", pack_weights=True, kernels="aten")
 
 
 @pytest.fixture(scope="module")
-def bf16_packed_references(smollm2_bf16_packed):
-    model = smollm2_bf16_packed
+def exact_references(exact_model):
+    model = exact_model
     questions = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()][:NUM_QUESTIONS]
     plain = Generator(model)
     cases = []
@@ -166,16 +176,16 @@ def bf16_packed_references(smollm2_bf16_packed):
 
 @pytest.mark.parametrize("method", ["pld", pytest.param("early-exit", marks=SLOW), pytest.param("tree", marks=SLOW),
                                     pytest.param("cats", marks=SLOW), pytest.param("eagle", marks=SLOW),
-                                    pytest.param("recycle", marks=SLOW), pytest.param("dytc", marks=SLOW)])
-def test_smollm2_bf16_packed_matches_its_plain_decoding_exactly(smollm2_bf16_packed, bf16_packed_references, method,
-                                                                capsys):
-    generator = make_generator(smollm2_bf16_packed, method)
+                                    pytest.param("recycle", marks=SLOW), pytest.param("layer-skip", marks=SLOW),
+                                    pytest.param("dytc", marks=SLOW)])
+def test_row_invariant_smollm2_matches_its_plain_decoding_exactly(exact_model, exact_references, method, capsys):
+    generator = make_generator(exact_model, method)
     accepted = 0
-    for question_id, prompt, expected in bf16_packed_references:
+    for question_id, prompt, expected in exact_references:
         result = generator.generate(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS))
         accepted += result.stats.accepted_draft_tokens
-        assert result.token_ids == expected, f"question {question_id}: bf16 {method} differs from plain decoding"
+        assert result.token_ids == expected, f"question {question_id}: {method} differs from plain decoding"
     with capsys.disabled():
-        print(f"\n[smollm2 bf16 packed {method}] {len(bf16_packed_references)}/{len(bf16_packed_references)} "
+        print(f"\n[smollm2 {exact_model.kernel_path} {method}] {len(exact_references)}/{len(exact_references)} "
               f"identical; drafts accepted {accepted}")
     assert accepted > 0

@@ -29,7 +29,7 @@ from cats.loop.text import IncrementalDetokenizer
 from cats.methods import METHODS, check_method, make_drafter, make_scorer, memory_needs
 from cats.model import LayeredModel, load_model
 from cats.model.kernels.packing import check_packing
-from cats.model.source import load_tokenizer, local_folder, resolve_dtype
+from cats.model.source import config_folder, load_tokenizer, resolve_dtype
 from cats.model.weights.budget import parse_budget
 from cats.model.weights.offload import offload_model
 from cats.prompts import check_token_ids, encode_prompt, encode_with
@@ -49,7 +49,8 @@ def load(model: str | os.PathLike, kernels: KernelConfig | None = None, memory: 
         raise InvalidArgumentError(f"method must be a method name ({', '.join(METHODS)}), got {method!r}")
     check_method(method)
     if memory.budget is None:
-        return load_model(model, dtype=kernels.dtype, pack_weights=kernels.pack_weights, tokenizer=tokenizer)
+        return load_model(model, dtype=kernels.dtype, pack_weights=kernels.pack_weights, kernels=kernels.kernels,
+                          tokenizer=tokenizer)
     return prepare(model, method, drafting, memory, kernels, context_tokens=context_tokens, tokenizer=tokenizer)
 
 
@@ -66,7 +67,7 @@ def prepare(model: str | os.PathLike | LayeredModel, method: str, drafting: Draf
         config, torch_dtype = model.config, model.dtype
     else:
         torch_dtype = resolve_dtype(kernels.dtype)
-        config = AutoConfig.from_pretrained(local_folder(str(model)))
+        config = AutoConfig.from_pretrained(config_folder(model))
     needs = memory_needs(config, torch_dtype, method, drafting, context_tokens=context_tokens,
                          prefetch=memory.prefetch, prompt_tokens=prompt_tokens)
     if not isinstance(model, LayeredModel):
@@ -114,7 +115,7 @@ class _Run:
                             context_tokens=len(prompt_ids) + self.config.max_new_tokens, tokenizer=tokenizer,
                             prompt_tokens=len(prompt_ids))
         elif self.loaded_here:
-            model = load_model(model, dtype=kernels.dtype, pack_weights=kernels.pack_weights)
+            model = load_model(model, dtype=kernels.dtype, pack_weights=kernels.pack_weights, kernels=kernels.kernels)
         self.model = model
         try:
             self.generator = generator_for(model, method, drafting)

@@ -142,16 +142,25 @@ class MemoryConfig:
             self.layer_store = _path_text(self.layer_store, "layer_store")
 
 
+KERNEL_CHOICES = ("auto", "aten")
+
+
 @dataclass
 class KernelConfig:
-    """How a model is loaded for compute: its ``dtype`` and whether its linears run on packed copies of their
-    weights on the row-invariant CPU kernels (``pack_weights``, bfloat16 or float32)."""
+    """How a model is loaded for compute. ``kernels``: ``auto`` runs a GGUF file on its own quantised blocks
+    (`cats.model.kernels.quantized`, float32 activations) and any other checkpoint on float weights; ``aten``
+    dequantises a GGUF file to float weights (the float path, for checking). For float weights: their ``dtype`` and
+    whether their linears run on packed copies on the row-invariant CPU kernels (``pack_weights``, bfloat16 or
+    float32)."""
 
     dtype: str = "float32"
     pack_weights: bool = False
+    kernels: str = "auto"
 
     def validate(self) -> None:
         resolve_dtype(self.dtype)  # an unknown dtype names the known ones
+        if self.kernels not in KERNEL_CHOICES:
+            raise InvalidArgumentError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         if not isinstance(self.pack_weights, bool):
             raise InvalidArgumentError(f"pack_weights must be True or False, got {self.pack_weights!r}")
 

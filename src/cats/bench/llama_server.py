@@ -81,7 +81,8 @@ class LlamaServerMethod(BenchMethod):
         environment = dict(os.environ)
         environment["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(binary.parent),
                                                                          environment.get("LD_LIBRARY_PATH")]))
-        self.settings = {"name": name, "binary": str(binary), "gguf": str(gguf), "threads": settings.threads,
+        self.settings = {"name": name, "weights": "the GGUF file's blocks, llama.cpp", "binary": str(binary),
+                         "gguf": str(gguf), "threads": settings.threads,
                          "context": context_tokens, "batch": BATCH_TOKENS,
                          **({"spec_type": NGRAM_MODE} if name == "llama-server-ngram" else {})}
         sampling = settings.sampling

@@ -33,7 +33,7 @@ from cats.config import DraftConfig, GenerationConfig
 from cats.draft import default_draft_layer
 from cats.errors import CatsError, InvalidArgumentError
 from cats.methods import memory_needs, method
-from cats.model import LayeredModel
+from cats.model import LayeredModel, load_model
 from cats.model.kernels.packing import packing_off
 from cats.model.source import local_folder, resolve_dtype
 from cats.model.weights.budget import PartSizes, mib, parse_budget
@@ -52,9 +52,10 @@ DEFAULT_PLD_TOKENS = 10  # the defaults of `cats.methods.make_drafter`, used for
 DEFAULT_EARLY_EXIT_TOKENS = 4
 LLAMA_CPP_MAX_CONTEXT = 4096  # llama.cpp preallocates its KV cache for n_ctx tokens; Spec-Bench prompts fit easily
 LLAMA_CPP_WEIGHTS_NOTE = (
-    "llama.cpp runs the GGUF's quantised weights directly (e.g. Q4_1 blocks, with activations quantised for the dot "
-    "products), while CATS and the transformers baselines run the same weights dequantised to float ({dtype}); "
-    "its tokens can therefore differ, and its speed reflects 4-bit weight traffic."
+    "llama.cpp and CATS's methods on GGUF blocks both compute on the file's quantised blocks with 8-bit activations, "
+    "but with different kernels, summation orders and attention, so their tokens can differ; the transformers "
+    "baselines run the weights dequantised to float ({dtype}). The weights column names each method's format and "
+    "kernel path."
 )
 
 
@@ -134,6 +135,16 @@ class BenchContext:
     context_tokens: int | None = None  # KV cache tokens the budgeted methods plan for
     prompt_tokens: int | None = None  # the longest prompt (its prefill's activations)
     progress: bool = True  # progress bars (a calibration on first use of layer-skip or dytc); --no-progress: none
+    _float_model: LayeredModel | None = None
+
+    def float_model(self) -> LayeredModel | None:
+        """The model on float weights, as transformers runs it: ``model`` itself, or, when that runs on GGUF blocks,
+        the same file dequantised by transformers (`--kernels aten`), loaded once on first use."""
+        if self.model is None or not self.model.kernel_path.startswith("gguf-blocks"):
+            return self.model
+        if self._float_model is None:
+            self._float_model = load_model(self.model_source, dtype=self.dtype, kernels="aten")
+        return self._float_model
 
 
 class BenchMethod(ABC):
@@ -181,6 +192,7 @@ class CatsMethod(BenchMethod):
         if hasattr(self.scorer, "describe"):
             info["cascade"] = self.scorer.describe()
         model = self.generator.model
+        info["weights"] = f"{model.weight_format}, {model.kernel_path}"
         if model.memory_plan is not None:
             info["streamed_layers"] = [model.memory_plan.resident_layers, model.num_layers]
         if self.drafter is not None and self.drafter.speculation is not None:
@@ -217,7 +229,7 @@ class HfGenerateMethod(BenchMethod):
     early-exit draft (layers ``[0, E)``) never runs."""
 
     def __init__(self, name: str, context: BenchContext, generate_kwargs: dict, assistant_settings: dict):
-        self.name, self.model = name, context.model
+        self.name, self.model = name, context.float_model()
         self.generate_kwargs, self.assistant_settings = generate_kwargs, assistant_settings
         sampling = context.settings.sampling
         self.sampling_kwargs = (dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
@@ -251,7 +263,8 @@ class HfGenerateMethod(BenchMethod):
         return TurnResult(new_tokens, recorder.chunks[1:], forwards[0])
 
     def describe(self):
-        return {"name": self.name, **self.generate_kwargs, **self.assistant_settings}  # sampling: in the run
+        return {"name": self.name, "weights": f"{self.model.weight_format}, transformers (aten)",
+                **self.generate_kwargs, **self.assistant_settings}  # sampling: in the run
 
 
 def hf_method(name: str, context: BenchContext) -> HfGenerateMethod:

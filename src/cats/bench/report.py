@@ -66,15 +66,15 @@ def render_report(summary: dict, requested_methods: list[str] | None = None) -> 
         "## All questions",
         "",
         "| method | acceptance | tokens/s | speedup | speedup (aggregate) | mean accepted | new tokens | wall s "
-        "| peak RSS MB | exact match | prefix agreement | failures |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| peak RSS MB | exact match | prefix agreement | failures | weights, kernels |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in methods.items():
         lines.append(
             f"| {name} | {m.get('acceptance', 'exact')} | {_cell(m['tokens_per_s'], 1)} | {_cell(m['speedup'], 2, 'x')} "
             f"| {_cell(m['speedup_aggregate'], 2, 'x')} | {_cell(m['mean_accepted'])} | {m['new_tokens']} "
             f"| {_cell(m['wall_s'], 1)} | {_cell(m['peak_rss_mb'], 0)} | {_percent(m['exact_match'])} "
-            f"| {_percent(m.get('prefix_agreement'))} | {m['failures']} |"
+            f"| {_percent(m.get('prefix_agreement'))} | {m['failures']} | {(m.get('settings') or {}).get('weights', '–')} |"
         )
     if summary.get("memory_budget") or any(m.get("offload") for m in methods.values()):
         lines += ["", "## Memory and streaming", "",
@@ -109,7 +109,8 @@ def render_report(summary: dict, requested_methods: list[str] | None = None) -> 
     if any(name in LLAMA_CPP_METHODS for name in list(methods) + list(summary.get("skipped", {}))
            + list(requested_methods or [])):
         notes.append("- " + LLAMA_CPP_WEIGHTS_NOTE.format(dtype=summary["dtype"]))
-    settings = {name: {k: v for k, v in (m.get("settings") or {}).items() if k != "name"} for name, m in methods.items()}
+    settings = {name: {k: v for k, v in (m.get("settings") or {}).items() if k not in ("name", "weights")}
+                for name, m in methods.items()}
     settings = {name: s for name, s in settings.items() if s}
     if settings:
         notes.append("- method settings: " + "; ".join(

@@ -93,6 +93,7 @@ class BenchConfig:
     prefetch: int = 2  # with memory_budget: streamed layers read ahead
     offload_io: str = "direct"  # with memory_budget: "direct" or "buffered"
     pack_weights: bool = False  # bf16: CATS's methods run on prepacked linears (transformers baselines do not)
+    kernels: str = "auto"  # "auto": a GGUF runs on its own blocks; "aten": dequantised to float weights of dtype
 
     def validate(self) -> None:
         sampling = self.settings.sampling
@@ -223,7 +224,7 @@ def runtime_baseline(model: str, threads: int) -> dict:
 def run_in_process(config: BenchConfig, questions: list[Question], out: Path, model_id: str):
     """Every method in this process on one loaded model, interleaved per question."""
 
-    model = load_model(config.model, dtype=config.dtype, pack_weights=config.pack_weights)
+    model = load_model(config.model, dtype=config.dtype, pack_weights=config.pack_weights, kernels=config.kernels)
     check_prompt_format(model, config.prompt_format)
     context = BenchContext(model, config.model, config.settings, progress=config.progress)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from cats.api import generator_for
-from cats.config import DraftConfig, MemoryConfig
+from cats.config import KERNEL_CHOICES, DraftConfig, MemoryConfig
 from cats.errors import InvalidArgumentError
 from cats.methods import check_method, help_text
 from cats.model.weights.budget import DEFAULT_PREFETCH
@@ -24,7 +24,13 @@ def integer(text: str) -> int:
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help=f"HF folder, .gguf file or Hub id (default: {HUB_DEFAULT}, "
                         "from ../shared/data when present)")
-    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16 or float64")
+    parser.add_argument("--dtype", default="float32", help="float weights' dtype: float32 (default), bfloat16, float16 "
+                        "or float64 (a GGUF file runs on its own blocks unless --kernels aten)")
+    parser.add_argument("--kernels", default="auto", choices=KERNEL_CHOICES,
+                        help="auto (default): a GGUF file runs on its own quantised blocks, memory-mapped, on CATS's "
+                        "row-invariant AVX-512/AVX2 kernels (8-bit activations, as llama.cpp), other checkpoints on "
+                        "float weights; aten: dequantise a GGUF file to float weights of --dtype (the float path, "
+                        "for checking)")
     parser.add_argument("--threads", type=integer, default=None, help="torch CPU threads")
 
 

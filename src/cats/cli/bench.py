@@ -99,6 +99,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
                                                           args.typical_tau, args.typical_alpha)),
         seed=args.seed,
         progress=not args.no_progress, memory_budget=args.memory_budget, pack_weights=args.pack_weights,
+        kernels=args.kernels,
         prefetch=2 if args.prefetch is None else args.prefetch, offload_io=args.offload_io or "direct",
     )
     config.validate()  # before the model loads

@@ -41,7 +41,7 @@ def run_calibrate_command(args) -> int:
             raise InvalidArgumentError(f"sparsity must lie in (0, 1), got {sparsity:g}")
     if args.prompts is not None and not Path(args.prompts).is_file():
         raise InvalidArgumentError(f"prompt file {args.prompts!r} does not exist")
-    model = load_model(args.model or default_model(), dtype=args.dtype)
+    model = load_model(args.model or default_model(), dtype=args.dtype, kernels=args.kernels)
     results = calibrate(model, args.sparsity, prompt_source=args.prompts, tokens=args.tokens, budget=args.budget,
                         seed=args.seed, num_prompts=args.num_prompts, force=args.force, progress=not args.no_progress)
     total = 2 * model.num_layers

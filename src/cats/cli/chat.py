@@ -111,7 +111,8 @@ def run_chat(args) -> int:
     drafting_from_args(args).validate()  # before the model loads
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
     request_config(args.max_new_tokens, **sampling)  # fail before the model loads
-    model = load_model(args.model or default_model(), dtype=args.dtype, pack_weights=args.pack_weights)
+    model = load_model(args.model or default_model(), dtype=args.dtype, pack_weights=args.pack_weights,
+                       kernels=args.kernels)
     if model.tokenizer is None:
         raise NoTokenizerError(f"model {model.name!r} has no tokenizer; cats chat needs one", model.name)
     if not getattr(model.tokenizer, "chat_template", None):

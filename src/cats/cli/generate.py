@@ -81,7 +81,7 @@ def run_generate(args) -> int:
         raise InvalidArgumentError(TYPICAL_NEEDS_DRAFTS)
     drafting = drafting_from_args(args)
     drafting.validate()
-    kernels = KernelConfig(dtype=args.dtype, pack_weights=args.pack_weights)
+    kernels = KernelConfig(dtype=args.dtype, pack_weights=args.pack_weights, kernels=args.kernels)
     kernels.validate()
     source = args.model or default_model()
     if args.memory_budget is None:

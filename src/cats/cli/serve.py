@@ -82,7 +82,7 @@ def run_serve(args) -> int:
     method_from_args(args)
     drafting_from_args(args).validate()  # before the model loads
     model_path = args.model or default_model()
-    model = load_model(model_path, dtype=args.dtype, pack_weights=args.pack_weights)
+    model = load_model(model_path, dtype=args.dtype, pack_weights=args.pack_weights, kernels=args.kernels)
     if model.tokenizer is None:
         raise NoTokenizerError(f"model {model_path!r} has no tokenizer that transformers can read; "
                                "cats serve needs one to turn text into tokens", model_path)

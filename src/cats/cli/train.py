@@ -79,7 +79,7 @@ def add_features_parser(subparsers) -> None:
 
 
 def run_features_command(args: argparse.Namespace) -> int:
-    model = load_model(args.model or default_model(), dtype=args.dtype)
+    model = load_model(args.model or default_model(), dtype=args.dtype, kernels=args.kernels)
     written = make_features(model, args.data, progress=not args.no_progress)
     print(f"{args.data}: final features written for {written} shard(s)")
     return 0
@@ -92,7 +92,7 @@ def run_data_command(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_k=args.top_k, limit=args.limit, batch_size=args.batch_size,
         shard_prompts=args.shard_prompts, seed=args.seed, progress=not args.no_progress,
     )
-    model = load_model(args.model or default_model(), dtype=args.dtype)
+    model = load_model(args.model or default_model(), dtype=args.dtype, kernels=args.kernels)
     make_training_data(model, config)
     return 0
 

@@ -221,7 +221,7 @@ class Adapter(nn.Module):
         out = self._fused_forward(hidden, attention_mask, rotary, cache) if cache is not None else None
         if out is None and cache is not None and model.lean and not self.training and self._lean_block():
             out = lean_layer_forward(self.block, hidden, attention_mask, rotary, cache.hf_cache,
-                                     pack_queries=not model.exact_attention, kernels=model.packed)
+                                     pack_queries=not model.exact_attention, kernels=model.kernel_attention)
         elif out is None:
             out = self.block(hidden, attention_mask=attention_mask, position_embeddings=rotary, position_ids=positions,
                              cache=cache.hf_cache if cache is not None else None, use_cache=cache is not None)

@@ -14,7 +14,9 @@ import torch
 
 from cats.errors import UnsupportedArchitectureError
 from cats.model.cache import KVCache
+from cats.model.kernels import avx512
 from cats.model.kernels.avx512 import ATTENTION_QUERY_LIMIT
+from cats.model.kernels.gguf_modules import GGUFEmbedding, GGUFLinear, kernel_path
 from cats.model.kernels.layer_forward import (
     exact_attention_default,
     fused_layer_forward,
@@ -88,6 +90,8 @@ class LayeredModel:
         check_supported(self.hf_model.config)
         self.hf_model.eval()
         self.config = self.hf_model.config
+        embedding = self.hf_model.model.embed_tokens
+        self._gguf = isinstance(embedding, GGUFEmbedding)
         self.decoder = self.hf_model.model
         self.layers = self.decoder.layers
         self.num_layers = self.config.num_hidden_layers
@@ -119,11 +123,35 @@ class LayeredModel:
     # ------------------------------------------------------------------ properties
     @property
     def dtype(self) -> torch.dtype:
-        return self.decoder.embed_tokens.weight.dtype
+        """The dtype of the hidden states (float32 for a model on GGUF blocks)."""
+        embedding = self.decoder.embed_tokens
+        return embedding.compute_dtype if self._gguf else embedding.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.decoder.embed_tokens.weight.device
+        return self.decoder.embed_tokens.blocks.device if self._gguf else self.decoder.embed_tokens.weight.device
+
+    @property
+    def kernel_attention(self) -> bool:
+        """Whether attention over few tokens runs on the row-invariant AVX-512 kernel (packed models and models on
+        GGUF blocks: their linears are row-invariant too, so speculative output equals plain output bit for bit)."""
+        return self.packed or self._gguf
+
+    @property
+    def weight_format(self) -> str:
+        """What the weights are, for reports: ``GGUF Q4_K+Q6_K`` (the file's types), or the float dtype."""
+        types = sorted({module.type_name for module in self.hf_model.modules() if isinstance(module, GGUFLinear)})
+        return f"GGUF {'+'.join(types)}" if types else str(self.dtype).removeprefix("torch.")
+
+    @property
+    def kernel_path(self) -> str:
+        """What the linears run on, for reports: ``gguf-blocks/avx512`` (or ``avx2``), ``packed/avx512``,
+        ``packed/onednn`` or ``aten``."""
+        if self._gguf:
+            return kernel_path()
+        if self.packed:
+            return "packed/avx512" if avx512.unavailable(self.dtype) is None else "packed/onednn"
+        return "aten"
 
     @property
     def vocab_size(self) -> int:
@@ -232,7 +260,7 @@ class LayeredModel:
         layer = self.layers[i]
         if self.lean and self._lean_layers[i]:
             return lean_layer_forward(layer, hidden, mask, rotary, hf_cache, pack_queries=not self.exact_attention,
-                                      kernels=self.packed)
+                                      kernels=self.kernel_attention)
         out = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids,
                     cache=hf_cache, use_cache=True)
         return out[0] if isinstance(out, tuple) else out

@@ -16,11 +16,15 @@ from cats.errors import (
     InvalidArgumentError,
     ModelNotFoundError,
 )
+from cats.cache_files import notice
 from cats.model.files import check_loading_info, check_model_folder
+from cats.model.gguf_model import Unsupported, check_runnable, load_gguf_model
 from cats.model.kernels.packing import check_packing, pack_linears
 from cats.model.layered import LayeredModel, check_supported
 from cats.model.source import (
     first_line,
+    gguf_file,
+    gguf_metadata,
     load_tokenizer_from,
     local_folder,
     resolve_dtype,
@@ -51,6 +55,7 @@ def load_model(
     layer_store: str | os.PathLike | None = None,
     tokenizer=None,
     pack_weights: bool = False,
+    kernels: str = "auto",
 ) -> LayeredModel:
     """Load ``model`` (local folder, ``.gguf`` file, folder holding one ``.gguf``, or Hub id) as a `LayeredModel`.
 
@@ -63,6 +68,9 @@ def load_model(
     (bfloat16 or float32): run the decoder layers' and the lm_head's linears through packed copies of their weights
     (`cats.model.kernels.packing.pack_linears`), on the row-invariant AVX-512 kernels of `cats.model.kernels.avx512` where they run
     (attention over few tokens too), else on oneDNN; faster on CPUs, about the weights' size of extra memory.
+    ``kernels``: ``auto`` runs a GGUF file on its own blocks (memory-mapped, `cats.model.gguf_model`; float32
+    activations; where the quantised kernels cannot run it, the float path with a one-line notice), ``aten``
+    dequantises it to float weights of ``dtype``. Other checkpoints run on float weights either way.
 
     Raises:
         ModelNotFoundError: no such path, and not a reachable Hub id.
@@ -76,6 +84,17 @@ def load_model(
         check_packing(torch_dtype, memory_budget)
     if memory_budget is not None and device != "cpu":
         raise InvalidArgumentError(f"a memory budget streams layers into CPU memory; device {device!r} is not supported")
+    gguf = _runnable_gguf(model, kernels, memory_budget)
+    if gguf is not None:
+        if torch_dtype != torch.float32 or pack_weights:
+            raise InvalidArgumentError(f"{gguf.name} runs on its own quantised blocks with float32 activations; "
+                                       "--dtype and --pack-weights are for float weights: add --kernels aten to "
+                                       "dequantise it, or drop them")
+        metadata = gguf_metadata(gguf)
+        if tokenizer is None:
+            tokenizer = load_tokenizer_from(str(metadata), model)
+        hf_model = load_gguf_model(gguf, metadata, attn_implementation)
+        return LayeredModel(hf_model, tokenizer, name=str(model))
     folder = local_folder(str(model))
     try:
         config = AutoConfig.from_pretrained(folder)
@@ -97,6 +116,25 @@ def load_model(
     if pack_weights:
         pack_linears(layered)
     return layered
+
+
+def _runnable_gguf(model, kernels: str, memory_budget):
+    """The GGUF file to run on its blocks (``kernels`` ``auto`` and the kernels take it), else None (with a notice
+    when they cannot, or under a memory budget, which streams float layers: the float path runs it)."""
+    if kernels not in ("auto", "aten"):
+        raise InvalidArgumentError(f"kernels must be 'auto' or 'aten', got {kernels!r}")
+    gguf = gguf_file(model) if kernels == "auto" else None
+    if gguf is None:
+        return None
+    if memory_budget is not None:
+        notice(f"a memory budget streams dequantised float layers; running {gguf.name} on them (as --kernels aten)")
+        return None
+    try:
+        check_runnable(gguf_metadata(gguf))
+    except Unsupported as why:
+        notice(f"{why}; running {gguf.name} on dequantised float weights (as --kernels aten)")
+        return None
+    return gguf
 
 
 def load_weights(folder: str, dtype: torch.dtype, attn_implementation: str):

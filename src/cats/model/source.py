@@ -1,7 +1,10 @@
 """Where a model's files come from: a local HF folder, a ``.gguf`` file (or a folder holding one), or a Hub id.
 
-A GGUF file is dequantised by transformers once and saved as a safetensors folder under the CATS cache
-(``$CATS_CACHE``, default ``~/.cache/cats``), so every later load is a plain, fast safetensors load.
+A GGUF file is run on its own blocks (`cats.model.gguf_model`): its config, tokenizer and tensor index are converted
+once into a small folder under the CATS cache (``$CATS_CACHE``, default ``~/.cache/cats``; `gguf_metadata`), and
+its weights are memory-mapped from the file itself. For the float path (``--kernels aten``, or where the quantised
+kernels cannot run) it is dequantised by transformers once and saved as a float32 safetensors folder there instead
+(`local_folder`), so every later load is a plain safetensors load.
 """
 
 from __future__ import annotations
@@ -56,7 +59,14 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def load_tokenizer(model: str | os.PathLike):
     """The tokenizer of ``model`` alone (None when it has none), e.g. to size a memory plan before loading."""
-    return load_tokenizer_from(local_folder(str(model)), model)
+    return load_tokenizer_from(config_folder(model), model)
+
+
+def config_folder(model: str | os.PathLike) -> str:
+    """A folder with ``model``'s config and tokenizer: a GGUF file's metadata folder (`gguf_metadata`: no weights
+    converted), else the model's folder (`local_folder`)."""
+    path = gguf_file(model)
+    return str(gguf_metadata(path)) if path is not None else local_folder(str(model))
 
 
 def load_tokenizer_from(folder: str, model):
@@ -72,6 +82,74 @@ def load_tokenizer_from(folder: str, model):
 def first_line(error: Exception) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def gguf_file(model: str | os.PathLike) -> Path | None:
+    """The ``.gguf`` file ``model`` names (the file, or the one in a folder without a config.json), else None."""
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+    return None
+
+
+TENSOR_INDEX = "tensors.json"  # in a GGUF's metadata folder: every tensor's type, shape and bytes in the file
+
+
+def gguf_metadata(gguf_path: Path) -> Path:
+    """The metadata folder of a GGUF file, made once: its config (``config.json``, as transformers reads it), its
+    tokenizer, and ``tensors.json``, each tensor's name, GGUF type code, shape (rows, columns) and byte range in
+    the file. Keyed by the file's path, size and modification time (the weights stay in the file: no copy), written
+    through a staging folder and checked against its record as `convert_gguf`'s folder is."""
+    if importlib.util.find_spec("gguf") is None:
+        raise MissingDependencyError(f"loading {gguf_path.name} needs the 'gguf' package: pip install gguf")
+    resolved = gguf_path.resolve()
+    stat = resolved.stat()
+    key = hashlib.sha256(f"{resolved}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_root() / "gguf-metadata" / f"{gguf_path.stem}-{key}"
+    clean_stale(target.parent)
+    try:
+        check_folder(target, SOURCE_RECORD)
+        return target
+    except FileNotFoundError:
+        pass
+    except Damaged as damage:
+        notice(f"the metadata of {gguf_path.name} is damaged: {damage}; reading it again")
+        discard(target)
+    check_gguf(gguf_path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    notice(f"reading the config, tokenizer and tensor index of {gguf_path.name}, once; cached in {target}")
+    try:
+        with staging_folder(target) as staging, gguf_parsed_once():
+            folder, name = str(gguf_path.parent), gguf_path.name
+            config = AutoConfig.from_pretrained(folder, gguf_file=name)
+            check_supported(config)
+            _drop_out_of_vocabulary_token_ids(config, name)
+            config_dict = config.to_dict()
+            config_dict.pop("quantization_config", None)
+            (staging / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True))
+            try:
+                AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(staging)
+            except Exception as error:  # some GGUF tokenizers (llama2.c conversions) are not readable by transformers
+                warnings.warn(f"could not convert the tokenizer of {name}: {first_line(error)}")
+            reader = importlib.import_module("gguf").GGUFReader(resolved, "r")
+            tensors = {tensor.name: {"type": int(tensor.tensor_type), "shape": [int(n) for n in tensor.shape[::-1]],
+                                     "offset": int(tensor.data_offset), "bytes": int(tensor.n_bytes)}
+                       for tensor in reader.tensors}
+            architecture = reader.get_field("general.architecture")
+            index = {"architecture": architecture.contents() if architecture is not None else None,
+                     "file_bytes": stat.st_size, "tensors": tensors}
+            (staging / TENSOR_INDEX).write_text(json.dumps(index))
+            write_record(staging, SOURCE_RECORD, {"gguf": str(resolved)})
+    except CatsError:
+        raise
+    except Exception as error:  # gguf-py and transformers raise ValueError, IndexError, KeyError, ... on damage
+        raise DamagedFileError(gguf_path, f"could not be read ({type(error).__name__}: {first_line(error)})",
+                               "if the file is damaged, re-download it") from error
+    return target
 
 
 def local_folder(model: str) -> str:

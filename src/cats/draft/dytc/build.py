@@ -28,9 +28,10 @@ RECYCLE_PRIOR = 0.5  # its per-token prior along the best path (optimistic, as f
 
 def draft_cost(model, layer_fraction: float) -> float:
     """Prior cost of one draft token as a fraction of a one-token target forward: the draft runs
-    ``layer_fraction`` of the decoder's weights and the whole lm_head (weights read per token dominate on CPUs)."""
-    layers = sum(p.numel() for p in model.layers.parameters())
-    head = model.hf_model.lm_head.weight.numel()
+    ``layer_fraction`` of the decoder's weights and the whole lm_head (the bytes of weights read per token dominate
+    on CPUs)."""
+    layers = sum(p.numel() * p.element_size() for p in model.layers.parameters())
+    head = sum(p.numel() * p.element_size() for p in model.hf_model.lm_head.parameters())
     return (layer_fraction * layers + head) / (layers + head)
 
 

@@ -194,9 +194,10 @@ def fused_linear(hidden: torch.Tensor, modules) -> torch.Tensor | None:
     packing is on; None otherwise (the caller runs them one by one). The fused copy (kept by the first module)
     replaces their separate packed copies (those are made on first use only) and is made again whenever one of the
     weights changes. (Called for every layer of every forward: the checks are kept to plain dict lookups.)"""
-    if PACKING["off"]:
+    weight = modules[0]._parameters.get("weight")
+    if PACKING["off"] or weight is None:  # no float weight: e.g. linears on GGUF blocks, each its own call
         return None
-    panel = avx512.usable(hidden, modules[0]._parameters["weight"])
+    panel = avx512.usable(hidden, weight)
     entry = fused_copy(modules, hidden.dtype, panel)
     if entry is None:
         return None

@@ -1,0 +1,147 @@
+"""A GGUF model on its own blocks: transformers' model of the file's config, with every linear and the embedding
+replaced by modules that hold the file's rows as stored (memory-mapped, `cats.model.kernels.gguf_modules`) and compute
+on them with `cats.model.kernels.quantized`. No float copy of a weight is made, on disk or in memory: the resident
+weight bytes are the file's tensor bytes (plus the norms and biases, read as float32, and for Llama-family files the
+rows of q and k, which llama.cpp's converter reordered and which are put back in transformers' order: a copy of those
+rows, whose pages in the file are then never read).
+
+Which GGUF tensor feeds which module is transformers' own mapping (``get_gguf_hf_weights_map``, built on gguf-py's
+tensor names), and each tensor gets transformers' own processing for its architecture (its ``TENSOR_PROCESSORS``):
+applied to the row order of quantised tensors and to the values of float ones.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import init_empty_weights
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+from cats.errors import DamagedFileError
+from cats.model.kernels import quantized
+from cats.model.kernels.gguf_modules import GGUFEmbedding, GGUFLinear, file_rows
+from cats.model.source import TENSOR_INDEX
+
+
+class Unsupported(Exception):
+    """The file holds something the quantised kernels do not run (the message says what); load it dequantised."""
+
+
+def tensor_index(metadata: Path) -> dict:
+    return json.loads((metadata / TENSOR_INDEX).read_text())
+
+
+def check_runnable(metadata: Path) -> None:
+    """Raise `Unsupported` unless the kernels run here and take every 2-D tensor of the file."""
+    reason = quantized.unavailable()
+    if reason is not None:
+        raise Unsupported(f"the quantised kernels cannot run here ({reason})")
+    for name, entry in tensor_index(metadata)["tensors"].items():
+        if len(entry["shape"]) == 2 and not quantized.supports(entry["type"], entry["shape"][1]):
+            type_name = quantized.TYPE_NAMES.get(entry["type"], f"type {entry['type']}")
+            raise Unsupported(f"{name} is {type_name} with rows of {entry['shape'][1]} values, which the quantised "
+                              "kernels do not take")
+
+
+class _File:
+    """The GGUF file memory-mapped once, its tensors as views."""
+
+    def __init__(self, path: Path, index: dict):
+        self.path, self.tensors = path, index["tensors"]
+        self.map = np.memmap(path, dtype=np.uint8, mode="r")
+        if self.map.shape[0] != index["file_bytes"]:
+            raise DamagedFileError(path, f"is {self.map.shape[0]} bytes, its index says {index['file_bytes']}",
+                                   "if it changed, run again (it is indexed anew); if it is damaged, re-download it")
+
+    def rows(self, name: str) -> tuple[torch.Tensor, int, int]:
+        """``(uint8 [rows, row bytes] view, type code, columns)`` of tensor ``name``."""
+        entry = self.tensors[name]
+        data = self.map[entry["offset"]: entry["offset"] + entry["bytes"]]
+        shape = entry["shape"] if len(entry["shape"]) == 2 else [1, entry["shape"][0]]
+        return file_rows(data.reshape(shape[0], -1)), entry["type"], shape[1]
+
+    def floats(self, name: str) -> np.ndarray:
+        """Tensor ``name`` as float32 values (a copy: norms and biases)."""
+        blocks, type_code, columns = self.rows(name)
+        return GGUFLinear(blocks, type_code, columns).dequantized().numpy().reshape(self.tensors[name]["shape"])
+
+
+def _row_order(processor: TensorProcessor, gguf_name: str, rows: int) -> np.ndarray | None:
+    """The permutation transformers' processor applies to the rows of ``gguf_name`` (None: none)."""
+    order = processor.process(np.arange(rows).reshape(rows, 1), gguf_name).weights.reshape(-1)
+    return None if np.array_equal(order, np.arange(rows)) else order
+
+
+def _set_parameter(module: nn.Module, name: str, values: np.ndarray) -> None:
+    module._parameters[name] = nn.Parameter(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)),
+                                            requires_grad=False)
+
+
+def _embedding_scale(module: nn.Embedding) -> float | None:
+    """The factor a scaled embedding (Gemma3's) multiplies its rows by, else None."""
+    scale = getattr(module, "embed_scale", None)
+    return None if scale is None else float(scale)
+
+
+def load_gguf_model(gguf_path: Path, metadata: Path, attn_implementation: str = "sdpa"):
+    """transformers' ``*ForCausalLM`` for the GGUF file ``gguf_path`` (its metadata folder ``metadata``, from
+    `cats.model.source.gguf_metadata`), computing on the file's blocks; check `check_runnable` first."""
+    config = AutoConfig.from_pretrained(metadata)
+    index = tensor_index(metadata)
+    file = _File(gguf_path, index)
+    with init_empty_weights(include_buffers=False):  # parameters on the meta device: nothing allocated
+        hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+    processor = TENSOR_PROCESSORS.get(index["architecture"], TensorProcessor)(config=config.to_dict())
+    to_gguf = {hf: gguf for gguf, hf in get_gguf_hf_weights_map(hf_model, processor).items()}
+    missing = []
+
+    def source(hf_name: str) -> str | None:
+        name = to_gguf.get(hf_name)
+        if name is None or name not in file.tensors:
+            return None
+        return name
+
+    for module_name, module in list(hf_model.named_modules()):
+        prefix = f"{module_name}." if module_name else ""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            name = source(prefix + "weight")
+            if name is None and module is hf_model.lm_head:  # a tied head: the embedding's rows
+                name = source("model.embed_tokens.weight")
+            if name is None:
+                missing.append(prefix + "weight")
+                continue
+            blocks, type_code, columns = file.rows(name)
+            order = _row_order(processor, name, blocks.shape[0])
+            if order is not None:
+                blocks = blocks[torch.from_numpy(order)]  # transformers' row order: a copy of these rows
+            if isinstance(module, nn.Embedding):
+                replacement = GGUFEmbedding(blocks, type_code, columns, _embedding_scale(module))
+            else:
+                bias_name = source(prefix + "bias") if module.bias is not None else None
+                bias = None
+                if bias_name is not None:
+                    bias = torch.from_numpy(processor.process(file.floats(bias_name).reshape(-1, 1), bias_name)
+                                            .weights.reshape(-1).astype(np.float32))
+                elif module.bias is not None:
+                    missing.append(prefix + "bias")
+                replacement = GGUFLinear(blocks, type_code, columns, bias)
+            parent = hf_model.get_submodule(module_name.rsplit(".", 1)[0]) if "." in module_name else hf_model
+            setattr(parent, module_name.rsplit(".", 1)[-1], replacement)
+            continue
+        for parameter_name, parameter in list(module._parameters.items()):
+            if parameter is None or not parameter.is_meta:
+                continue
+            name = source(prefix + parameter_name)
+            if name is None:
+                missing.append(prefix + parameter_name)
+                continue
+            _set_parameter(module, parameter_name, processor.process(file.floats(name), name).weights)
+    if missing:
+        raise DamagedFileError(gguf_path, f"has no tensor for {', '.join(missing[:4])}"
+                                          f"{' ...' if len(missing) > 4 else ''}",
+                               "use a complete GGUF file, or load it with --kernels aten to see transformers' view")
+    return hf_model.eval()

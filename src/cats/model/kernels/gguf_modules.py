@@ -1,0 +1,99 @@
+"""The modules a GGUF model runs on: its linears and its embedding, holding a tensor's rows exactly as the file stores
+them (a uint8 view of the memory-mapped file, or rows of it) and computing on them with `cats.model.kernels.quantized`.
+
+They replace transformers' ``nn.Linear`` and ``nn.Embedding`` in the model transformers builds from the GGUF's config
+(`cats.model.gguf_model`); every other module (norms, rotary embedding, attention) stays transformers' own and runs
+in float32. The stored rows are a registered parameter, ``blocks`` (uint8, no gradient), so the model's parameters
+count the bytes it holds. ``dequantized`` gives float32 rows (gguf-py's dequantisation, the values the float path
+computes with) for the few callers that need values: a fingerprint, a reduced head, training.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from torch import nn
+
+from cats.model.kernels import quantized
+
+FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGUF type code -> its torch dtype
+
+
+def file_rows(array: np.ndarray) -> torch.Tensor:
+    """A tensor over ``array`` (a read-only view of the memory-mapped file) without a copy."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "not writable": the weights are never written
+        return torch.from_numpy(array)
+
+
+class GGUFRows(nn.Module):
+    """A GGUF tensor's rows (``blocks``: uint8 ``[rows, row bytes]``) of ``columns`` values each, type ``type_code``."""
+
+    def __init__(self, blocks: torch.Tensor, type_code: int, columns: int):
+        super().__init__()
+        self.blocks = nn.Parameter(blocks, requires_grad=False)
+        self.type_code, self.columns = type_code, columns
+
+    @property
+    def type_name(self) -> str:
+        return GGMLQuantizationType(self.type_code).name
+
+    def dequantized(self, index=slice(None)) -> torch.Tensor:
+        """Rows ``index`` (a slice or a tensor of row numbers) as float32 ``[n, columns]``."""
+        rows = self.blocks[index] if isinstance(index, slice) else self.blocks.index_select(0, index.reshape(-1).cpu())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            values = dequantize(rows.numpy(), GGMLQuantizationType(self.type_code))
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(-1, self.columns))
+
+
+class GGUFLinear(GGUFRows):
+    """``nn.Linear`` on a GGUF tensor's stored rows: float32 in, float32 out, computed on the blocks."""
+
+    def __init__(self, blocks: torch.Tensor, type_code: int, columns: int, bias: torch.Tensor | None = None):
+        super().__init__(blocks, type_code, columns)
+        self.in_features, self.out_features = columns, blocks.shape[0]
+        self.bias = None if bias is None else nn.Parameter(bias.to(torch.float32).contiguous(), requires_grad=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole weight as float32 ``[out, in]`` (a new tensor each call: the model holds only the blocks)."""
+        return self.dequantized()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return quantized.linear(hidden, self.blocks, self.type_code, self.columns, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, type={self.type_name}"
+
+
+class GGUFEmbedding(GGUFRows):
+    """``nn.Embedding`` on a GGUF tensor's stored rows: each looked-up row is dequantised to float32 (and multiplied by
+    ``scale`` where the model scales its embedding, as Gemma3 does)."""
+
+    compute_dtype = torch.float32
+
+    def __init__(self, blocks: torch.Tensor, type_code: int, columns: int, scale: float | None = None):
+        super().__init__(blocks, type_code, columns)
+        self.num_embeddings, self.embedding_dim, self.scale = blocks.shape[0], columns, scale
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table as float32 (a new tensor each call)."""
+        return self.dequantized()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.dequantized(ids).reshape(*ids.shape, self.columns)
+        return rows if self.scale is None else rows * torch.tensor(self.scale, dtype=torch.float32)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, type={self.type_name}"
+
+
+def kernel_path() -> str:
+    """What the quantised linears run on here, for reports: ``avx512``/``avx2`` kernels, or why none."""
+    reason = quantized.unavailable()
+    return f"gguf-blocks/{quantized.isa()}" if reason is None else f"unavailable ({reason})"

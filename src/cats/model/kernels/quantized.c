@@ -1,0 +1,490 @@
+/* Row-invariant linears on GGUF's own weight blocks: Y[m, n] = sum_k X[m, k] W[n, k] (+ bias[n]) where each row of W
+ * is a row of a GGUF tensor exactly as the file stores it (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16,
+ * F32), read in place from the memory-mapped file. Built and loaded by cats/model/kernels/quantized.py, which says
+ * why they exist and how they are used.
+ *
+ * The same source is compiled twice: for AVX-512 (BW, VL, VNNI) and for AVX2; quantized.py runs each once in a child
+ * process before using it (a CPU may list an instruction set it cannot run).
+ *
+ * Activations: for the block-quantised types each row of X is first quantised to 8 bits, as llama.cpp does: in
+ * blocks of 256 values with one float scale each (the k-quants; plus the sums of every 16 quantised values), or of
+ * 32 (the other types; plus d * their sum), scale = max |x| / 127, values rounded to nearest even. The dot products
+ * are then exact integer sums within a block (u8 weights x s8 activations: vpmaddubsw into int16, then vpdpwssd /
+ * vpmaddwd into int32; vpdpbusd where no scale sits between), scaled per block in float. F16, BF16 and F32 rows
+ * multiply the float32 activations with float32 FMAs.
+ *
+ * Row-invariant: a row of X is quantised alone, and each output (m, n) is computed by one thread with the same
+ * sequence of operations whatever M, the tiling of rows or the split of outputs over threads: its integer block sums
+ * are exact, and its float accumulators take the blocks in order, lane by lane, then one fixed reduction. So a token's
+ * output does not depend on how many tokens share the call. */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512F__)
+#define WIDE 1
+#endif
+
+/* ggml's type codes (the values GGUF files store) */
+enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+       BF16 = 30 };
+
+#define TILE 4 /* F32, F16, BF16: tokens that share each load of weights */
+
+static inline float half(const uint8_t* p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+/* ------------------------------------------------------------------------------- 64 bytes as one or two vectors */
+#ifdef WIDE
+typedef __m512i v64;
+typedef __m512 vf;
+static inline v64 load64(const void* p) { return _mm512_loadu_si512(p); }
+static inline v64 join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+static inline v64 zero64(void) { return _mm512_setzero_si512(); }
+static inline v64 fill8(int c) { return _mm512_set1_epi8((char)c); }
+static inline v64 maddubs(v64 u, v64 s) { return _mm512_maddubs_epi16(u, s); }
+static inline v64 sub16(v64 a, v64 b) { return _mm512_sub_epi16(a, b); }
+static inline v64 dot16(v64 acc, v64 p, v64 scale) { /* acc += pairs of int16 products, into int32 */
+#ifdef __AVX512VNNI__
+  return _mm512_dpwssd_epi32(acc, p, scale);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(p, scale));
+#endif
+}
+static inline v64 dot8(v64 u, v64 s) { /* groups of four u8 x s8 products, into int32 */
+#ifdef __AVX512VNNI__
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
+#else
+  return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+#endif
+}
+static inline v64 abs8(v64 a) { return _mm512_abs_epi8(a); }
+static inline v64 sign8(v64 x, v64 w) { /* x where w > 0, -x where w < 0 (0 where w = 0 is not needed: |w| = 0) */
+  return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+}
+static inline vf int_to_float(v64 a) { return _mm512_cvtepi32_ps(a); }
+static inline vf zerof(void) { return _mm512_setzero_ps(); }
+static inline vf fmaddf(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf fill(float a) { return _mm512_set1_ps(a); }
+static inline float reduce(vf a) { return _mm512_reduce_add_ps(a); }
+#define FLOATS 16
+#else
+typedef struct { __m256i lo, hi; } v64;
+typedef __m256 vf;
+static inline v64 load64(const void* p) {
+  v64 v = {_mm256_loadu_si256((const __m256i*)p), _mm256_loadu_si256((const __m256i*)p + 1)};
+  return v;
+}
+static inline v64 join(__m256i lo, __m256i hi) { v64 v = {lo, hi}; return v; }
+static inline v64 zero64(void) { return join(_mm256_setzero_si256(), _mm256_setzero_si256()); }
+static inline v64 fill8(int c) { return join(_mm256_set1_epi8((char)c), _mm256_set1_epi8((char)c)); }
+static inline v64 maddubs(v64 u, v64 s) {
+  return join(_mm256_maddubs_epi16(u.lo, s.lo), _mm256_maddubs_epi16(u.hi, s.hi));
+}
+static inline v64 sub16(v64 a, v64 b) { return join(_mm256_sub_epi16(a.lo, b.lo), _mm256_sub_epi16(a.hi, b.hi)); }
+static inline v64 dot16(v64 acc, v64 p, v64 scale) {
+  return join(_mm256_add_epi32(acc.lo, _mm256_madd_epi16(p.lo, scale.lo)),
+              _mm256_add_epi32(acc.hi, _mm256_madd_epi16(p.hi, scale.hi)));
+}
+static inline v64 dot8(v64 u, v64 s) {
+  __m256i one = _mm256_set1_epi16(1);
+  return join(_mm256_madd_epi16(_mm256_maddubs_epi16(u.lo, s.lo), one),
+              _mm256_madd_epi16(_mm256_maddubs_epi16(u.hi, s.hi), one));
+}
+static inline v64 abs8(v64 a) { return join(_mm256_abs_epi8(a.lo), _mm256_abs_epi8(a.hi)); }
+static inline v64 sign8(v64 x, v64 w) { return join(_mm256_sign_epi8(x.lo, w.lo), _mm256_sign_epi8(x.hi, w.hi)); }
+static inline vf int_to_float(v64 a) { return _mm256_cvtepi32_ps(_mm256_add_epi32(a.lo, a.hi)); }
+static inline vf zerof(void) { return _mm256_setzero_ps(); }
+static inline vf fmaddf(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf fill(float a) { return _mm256_set1_ps(a); }
+static inline float reduce(vf a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#define FLOATS 8
+#endif
+
+static inline __m256i nibbles_low(__m256i q) { return _mm256_and_si256(q, _mm256_set1_epi8(0x0f)); }
+static inline __m256i nibbles_high(__m256i q) {
+  return _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(0x0f));
+}
+static inline __m256i bits_to_bytes(uint32_t bits, int value) { /* byte j = value where bit j is set, else 0 */
+#ifdef WIDE
+  return _mm256_maskz_set1_epi8((__mmask32)bits, (char)value);
+#else
+  __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                       _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                                         0x0101010101010101LL, 0));
+  __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+  __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+  return _mm256_and_si256(set, _mm256_set1_epi8((char)value));
+#endif
+}
+
+/* -------------------------------------------------------------------------------------------- activations */
+/* One row of X quantised: q (padded with zeros to a multiple of 64 values), per block of `block` values its scale d,
+ * d repeated 8 times per block (the lanes of a pair of 32-value blocks), and d times the sum of every 32 and every 16
+ * quantised values (the terms of mins and offsets). */
+typedef struct {
+  int8_t* q;
+  float *d, *lanes, *sums32, *sums16;
+} acts;
+
+static void quantise_row(const float* x, long K, int block, acts a) {
+  for (long b = 0; b < K / block; b++) {
+    const float* v = x + b * block;
+    float amax = 0.0f;
+    for (int i = 0; i < block; i++) amax = fmaxf(amax, fabsf(v[i]));
+    float inverse = amax > 0.0f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
+    int8_t* q = a.q + b * block;
+    for (int i = 0; i < block; i++) {
+      int value = (int)lrintf(v[i] * inverse);
+      q[i] = (int8_t)(value > 127 ? 127 : value < -127 ? -127 : value);
+    }
+    a.d[b] = d;
+    for (int g = 0; g < block / 16; g++) {
+      int s = 0;
+      for (int i = 0; i < 16; i++) s += q[g * 16 + i];
+      a.sums16[b * (block / 16) + g] = d * (float)s;
+    }
+    for (int g = 0; g < block / 32; g++) {
+      int s = 0;
+      for (int i = 0; i < 32; i++) s += q[g * 32 + i];
+      a.sums32[b * (block / 32) + g] = d * (float)s;
+    }
+    if (block == 32)
+      for (int i = 0; i < 8; i++) a.lanes[b * 8 + i] = d;
+  }
+}
+
+/* sum_i c[i] * s[i] for i < count, in a fixed order */
+static inline float dot_floats(const float* c, const float* s, long count) {
+  long whole = count - count % FLOATS;
+  vf acc = zerof();
+  for (long i = 0; i < whole; i += FLOATS) {
+#ifdef WIDE
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(c + i), _mm512_loadu_ps(s + i), acc);
+#else
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(c + i), _mm256_loadu_ps(s + i), acc);
+#endif
+  }
+  float total = reduce(acc);
+  for (long i = whole; i < count; i++) total += c[i] * s[i];
+  return total;
+}
+
+/* ---------------------------------------------------------------------------------------------- k-quants */
+/* One block of 256 weights in registers: 4 x 64 values as u8 in value order, and per unit the int16 scale of every
+ * pair of products after vpmaddubsw. The coefficients of the sums of X that the block subtracts go to `offsets`:
+ * Q4_K / Q5_K per 32 values dmin * min, Q6_K (values stored + 32) per 16 values 32 * d * scale. Returns d. */
+static inline float decode_k(int type, const uint8_t* p, v64* w, v64* scale, float* offsets) {
+  if (type == Q6_K) { /* ql[128], qh[64], int8 scales[16], d */
+    float d = half(p + 208);
+    __m128i sc = _mm_loadu_si128((const __m128i*)(p + 192));
+#ifdef WIDE
+    _mm512_storeu_ps(offsets, _mm512_mul_ps(_mm512_set1_ps(32.0f * d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc))));
+    __m256i both = _mm256_broadcastsi128_si256(sc);
+    for (int u = 0; u < 4; u++) { /* unit u: groups 4u .. 4u + 3, 8 lanes each */
+      __m256i index = _mm256_set_epi64x(0x0101010101010101LL * (4 * u + 3), 0x0101010101010101LL * (4 * u + 2),
+                                        0x0101010101010101LL * (4 * u + 1), 0x0101010101010101LL * (4 * u));
+      scale[u] = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(both, index));
+    }
+#else
+    _mm256_storeu_ps(offsets, _mm256_mul_ps(_mm256_set1_ps(32.0f * d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+    _mm256_storeu_ps(offsets + 8, _mm256_mul_ps(_mm256_set1_ps(32.0f * d),
+                                                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+    const int8_t* s = (const int8_t*)(p + 192);
+    for (int u = 0; u < 4; u++)
+      scale[u] = join(_mm256_set_m128i(_mm_set1_epi16(s[4 * u + 1]), _mm_set1_epi16(s[4 * u])),
+                      _mm256_set_m128i(_mm_set1_epi16(s[4 * u + 3]), _mm_set1_epi16(s[4 * u + 2])));
+#endif
+    __m256i three = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+      const uint8_t *ql = p + 64 * h, *qh = p + 128 + 32 * h;
+      __m256i l0 = _mm256_loadu_si256((const __m256i*)ql), l1 = _mm256_loadu_si256((const __m256i*)(ql + 32));
+      __m256i hb = _mm256_loadu_si256((const __m256i*)qh);
+      __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(hb, three), 4);
+      __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4);
+      __m256i h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), three), 4);
+      __m256i h3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), three), 4);
+      w[2 * h] = join(_mm256_or_si256(nibbles_low(l0), h0), _mm256_or_si256(nibbles_low(l1), h1));
+      w[2 * h + 1] = join(_mm256_or_si256(nibbles_high(l0), h2), _mm256_or_si256(nibbles_high(l1), h3));
+    }
+    return d;
+  }
+  /* Q4_K, Q5_K: d, dmin, 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of fifth bits), 128 bytes of nibbles.
+   * The scales of sub-blocks 0-3 are the low 6 bits of bytes 0-3, their mins of bytes 4-7; sub-blocks 4-7 take
+   * the nibbles of bytes 8-11 and the top 2 bits of bytes 0-3 (scales) and 4-7 (mins). */
+  float d = half(p), dmin = half(p + 2);
+  uint32_t a, b, c;
+  memcpy(&a, p + 4, 4);
+  memcpy(&b, p + 8, 4);
+  memcpy(&c, p + 12, 4);
+  uint64_t scales = (a & 0x3f3f3f3fu) | (uint64_t)((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
+  uint64_t mins = (b & 0x3f3f3f3fu) | (uint64_t)(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
+  _mm256_storeu_ps(offsets, _mm256_mul_ps(_mm256_set1_ps(dmin),
+                                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mins)))));
+#ifdef WIDE
+  __m256i all = _mm256_set1_epi64x((long long)scales);
+  for (int u = 0; u < 4; u++) { /* unit u: sub-blocks 2u and 2u + 1, 16 lanes each */
+    __m256i index = _mm256_set_epi64x(0x0101010101010101LL * (2 * u + 1), 0x0101010101010101LL * (2 * u + 1),
+                                      0x0101010101010101LL * (2 * u), 0x0101010101010101LL * (2 * u));
+    scale[u] = _mm512_cvtepu8_epi16(_mm256_shuffle_epi8(all, index));
+  }
+#else
+  for (int u = 0; u < 4; u++)
+    scale[u] = join(_mm256_set1_epi16((short)((scales >> (16 * u)) & 0xff)),
+                    _mm256_set1_epi16((short)((scales >> (16 * u + 8)) & 0xff)));
+#endif
+  const uint8_t* qs = p + (type == Q5_K ? 48 : 16);
+  __m256i fifth = type == Q5_K ? _mm256_loadu_si256((const __m256i*)(p + 16)) : _mm256_setzero_si256();
+  __m256i one = _mm256_set1_epi8(1);
+  for (int j = 0; j < 4; j++) {
+    __m256i q = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
+    __m256i lo = nibbles_low(q), hi = nibbles_high(q);
+    if (type == Q5_K) { /* bit s of fifth[i]: value i of sub-block s */
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(fifth, one), 4));
+      fifth = _mm256_srli_epi16(fifth, 1);
+      hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(fifth, one), 4));
+      fifth = _mm256_srli_epi16(fifth, 1);
+    }
+    w[j] = join(lo, hi);
+  }
+  return d;
+}
+
+/* Tokens a[0 .. T-1] (T <= 4) against one row of k-quant blocks into out[T]: each block is decoded once for all of
+ * them; every token's operations are those it gets alone (row-invariant). `offsets`: room for the row's. */
+static void tokens_k(int type, const uint8_t* row, long blocks, const acts* a, long T, float* offsets, float* out) {
+  long block_bytes = type == Q4_K ? 144 : type == Q5_K ? 176 : 210, per = type == Q6_K ? 16 : 8;
+  vf acc[4] = {zerof(), zerof(), zerof(), zerof()};
+  v64 w[4], scale[4];
+  for (long b = 0; b < blocks; b++) {
+    float d = decode_k(type, row + b * block_bytes, w, scale, offsets + b * per);
+#pragma GCC unroll 4
+    for (long t = 0; t < 4; t++) {
+      if (t >= T) continue;
+      const int8_t* x = a[t].q + b * 256;
+      v64 sums = zero64();
+      for (int u = 0; u < 4; u++) sums = dot16(sums, maddubs(w[u], load64(x + 64 * u)), scale[u]);
+      acc[t] = fmaddf(int_to_float(sums), fill(d * a[t].d[b]), acc[t]);
+    }
+  }
+  for (long t = 0; t < T; t++)
+    out[t] = reduce(acc[t]) - dot_floats(offsets, type == Q6_K ? a[t].sums16 : a[t].sums32, blocks * per);
+}
+
+/* ------------------------------------------------------------------------ 32-value blocks (Q4_0 ... Q8_0) */
+/* One block as 32 bytes in value order (u8; Q8_0: s8), its d, and (to `offset`) the coefficient of d_x * sum(x_q):
+ * -8 d (Q4_0), -16 d (Q5_0), m (Q4_1, Q5_1), 0 (Q8_0). */
+static inline __m256i decode_32(int type, const uint8_t* p, float* d, float* offset) {
+  *d = half(p);
+  if (type == Q8_0) {
+    *offset = 0.0f;
+    return _mm256_loadu_si256((const __m256i*)(p + 2));
+  }
+  int with_min = type == Q4_1 || type == Q5_1, five = type == Q5_0 || type == Q5_1;
+  __m128i q = _mm_loadu_si128((const __m128i*)(p + 2 + 2 * with_min + 4 * five));
+  __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0f)),
+                               _mm_and_si128(q, _mm_set1_epi8(0x0f)));
+  if (five) {
+    uint32_t bits;
+    memcpy(&bits, p + 2 + 2 * with_min, 4);
+    w = _mm256_or_si256(w, bits_to_bytes(bits, 16));
+  }
+  *offset = with_min ? half(p + 2) : (five ? -16.0f : -8.0f) * *d;
+  return w;
+}
+
+static void tokens_32(int type, const uint8_t* row, long blocks, const acts* a, long T, float* offsets, float* out) {
+  long block_bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : type == Q5_1 ? 24 : 34;
+  vf acc[4] = {zerof(), zerof(), zerof(), zerof()};
+  for (long b = 0; b < blocks; b += 2) { /* a pair of blocks (the last one alone: zero weights beside it) */
+    float da, db = 0.0f;
+    __m256i wa = decode_32(type, row + b * block_bytes, &da, offsets + b);
+    __m256i wb = b + 1 < blocks ? decode_32(type, row + (b + 1) * block_bytes, &db, offsets + b + 1)
+                                : _mm256_setzero_si256();
+    v64 w = join(wa, wb), u = type == Q8_0 ? abs8(w) : w;
+#ifdef WIDE
+    __m512 dw = _mm512_insertf32x8(_mm512_set1_ps(da), _mm256_set1_ps(db), 1);
+#else
+    __m256 dw0 = _mm256_set1_ps(da), dw1 = _mm256_set1_ps(db);
+#endif
+#pragma GCC unroll 4
+    for (long t = 0; t < 4; t++) {
+      if (t >= T) continue;
+      v64 x = load64(a[t].q + b * 32);
+      if (type == Q8_0) x = sign8(x, w);
+      v64 dots = dot8(u, x);
+#ifdef WIDE
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(dw, _mm512_loadu_ps(a[t].lanes + b * 8)), acc[t]);
+#else
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots.lo), _mm256_mul_ps(dw0, _mm256_loadu_ps(a[t].lanes + b * 8)),
+                               acc[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots.hi),
+                               _mm256_mul_ps(dw1, _mm256_loadu_ps(a[t].lanes + b * 8 + 8)), acc[t]);
+#endif
+    }
+  }
+  for (long t = 0; t < T; t++)
+    out[t] = reduce(acc[t]) + (type == Q8_0 ? 0.0f : dot_floats(offsets, a[t].sums32, blocks));
+}
+
+static void rows_blocks(int type, int block, const uint8_t* W, long row_bytes, long n0, long n1, const acts* X,
+                        long M, long K, const float* bias, float* Y, long N, float* offsets) {
+  long blocks = K / block;
+  for (long n = n0; n < n1; n++) {
+    const uint8_t* row = W + n * row_bytes;
+    for (long m0 = 0; m0 < M; m0 += 4) {
+      long T = M - m0 < 4 ? M - m0 : 4;
+      float out[4];
+      if (block == 256) tokens_k(type, row, blocks, X + m0, T, offsets, out);
+      else tokens_32(type, row, blocks, X + m0, T, offsets, out);
+      for (long t = 0; t < T; t++) Y[(m0 + t) * N + n] = bias ? out[t] + bias[n] : out[t];
+    }
+  }
+}
+
+/* --------------------------------------------------------------------------------------- F32, F16, BF16 */
+static inline vf load_floats(int type, const uint8_t* row, long k) {
+#ifdef WIDE
+  if (type == F32) return _mm512_loadu_ps((const float*)row + k);
+  __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)row + k));
+  if (type == F16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#else
+  if (type == F32) return _mm256_loadu_ps((const float*)row + k);
+  __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)row + k));
+  if (type == F16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#endif
+}
+
+static inline float scalar_float(int type, const uint8_t* row, long k) {
+  if (type == F32) return ((const float*)row)[k];
+  uint16_t h = ((const uint16_t*)row)[k];
+  if (type == F16) return _cvtsh_ss(h);
+  uint32_t bits = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+static void rows_float(int type, const uint8_t* W, long row_bytes, long n0, long n1, const float* X, long M, long K,
+                       const float* bias, float* Y, long N) {
+  long whole = K - K % FLOATS;
+  for (long n = n0; n < n1; n++) {
+    const uint8_t* row = W + n * row_bytes;
+    for (long m0 = 0; m0 < M; m0 += TILE) {
+      long tile = M - m0 < TILE ? M - m0 : TILE;
+      vf acc[TILE];
+      for (long t = 0; t < tile; t++) acc[t] = zerof();
+      for (long k = 0; k < whole; k += FLOATS) {
+        vf w = load_floats(type, row, k);
+        for (long t = 0; t < tile; t++) {
+#ifdef WIDE
+          vf x = _mm512_loadu_ps(X + (m0 + t) * K + k);
+#else
+          vf x = _mm256_loadu_ps(X + (m0 + t) * K + k);
+#endif
+          acc[t] = fmaddf(w, x, acc[t]);
+        }
+      }
+      for (long t = 0; t < tile; t++) {
+        float value = reduce(acc[t]);
+        for (long k = whole; k < K; k++) value += scalar_float(type, row, k) * X[(m0 + t) * K + k];
+        Y[(m0 + t) * N + n] = bias ? value + bias[n] : value;
+      }
+    }
+  }
+}
+
+/* ------------------------------------------------------------------------------------------------ entry */
+static int block_values(int type) {
+  switch (type) {
+  case Q4_K: case Q5_K: case Q6_K: return 256;
+  case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: return 32;
+  case F32: case F16: case BF16: return 1;
+  default: return 0;
+  }
+}
+
+/* Y[M, N] = X[M, K] W^T (+ bias), W: N rows of row_bytes bytes of GGUF type `type`. Returns 0, or -1 for a type or
+ * a K these kernels do not take (K a multiple of the type's block), -2 if out of memory. */
+int cats_quantized_linear(int type, const uint8_t* W, long row_bytes, const float* X, const float* bias, float* Y,
+                          long M, long N, long K, int threads) {
+  int block = block_values(type);
+  if (block == 0 || K % block) return -1;
+  if (M <= 0 || N <= 0) return 0;
+  long padded = (K + 63) / 64 * 64, per = padded / 32 + 2; /* 32-value blocks per row, with room for a pair */
+  acts* rows = NULL;
+  int8_t* q = NULL;
+  float* floats = NULL;
+  if (block > 1) {
+    long stride = per * 8 + per * 2 + per * 2 + per; /* lanes, sums16, sums32 (or per-block d), d */
+    rows = malloc(sizeof(acts) * M);
+    q = calloc((size_t)(M * padded), 1);
+    floats = calloc((size_t)(M * stride), sizeof(float));
+    if (!rows || !q || !floats) {
+      free(rows); free(q); free(floats);
+      return -2;
+    }
+    for (long m = 0; m < M; m++) {
+      float* f = floats + m * stride;
+      acts a = {q + m * padded, f, f + per, f + per + per * 8, f + per + per * 8 + per * 2};
+      rows[m] = a;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static) if (M * K > 65536)
+    for (long m = 0; m < M; m++) quantise_row(X + m * K, K, block, rows[m]);
+  }
+  long chunk = 16, chunks = (N + chunk - 1) / chunk;
+  int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && chunks > 1)
+  {
+    
+    float* scratch = block > 1 ? malloc(sizeof(float) * (size_t)(padded / 16 + 16)) : NULL; /* a row's offsets */
+    if (block > 1 && !scratch) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp for schedule(static)
+    for (long c = 0; c < chunks; c++) {
+      long n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+      if (block == 1) rows_float(type, W, row_bytes, n0, n1, X, M, K, bias, Y, N);
+      else if (scratch) rows_blocks(type, block, W, row_bytes, n0, n1, rows, M, K, bias, Y, N, scratch);
+    }
+    free(scratch);
+  }
+  free(rows); free(q); free(floats);
+  return failed ? -2 : 0;
+}
+
+/* A small call of every type: the child process that checks this build runs it (an instruction the CPU cannot
+ * run kills the child, not the caller). Returns 0 when every result is finite. */
+int cats_quantized_probe(void) {
+  static uint8_t weights[2 * 210 * 2];
+  static float x[2 * 256], y[2 * 2];
+  for (int i = 0; i < (int)sizeof(weights); i++) weights[i] = (uint8_t)(i * 7 + 1) & 0x3b;
+  for (int i = 0; i < 512; i++) x[i] = (float)((i % 13) - 6) * 0.25f;
+  int types[] = {Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16};
+  for (int i = 0; i < (int)(sizeof(types) / sizeof(types[0])); i++) {
+    int block = block_values(types[i]);
+    long K = block == 256 ? 256 : 64;
+    if (cats_quantized_linear(types[i], weights, 420, x, NULL, y, 2, 2, K, 1)) return -1;
+  }
+  return 0;
+}
+
+#ifdef WIDE
+int cats_quantized_isa(void) { return 512; }
+#else
+int cats_quantized_isa(void) { return 256; }
+#endif

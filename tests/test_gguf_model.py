@@ -1,0 +1,99 @@
+"""A GGUF file run on its own blocks: memory-mapped, no float copy, the same model as its dequantised float path, the
+float path on request (``kernels="aten"``) and as the fallback where the kernels cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cats
+from cats.errors import InvalidArgumentError
+from cats.model import gguf_model
+from cats.model.kernels import quantized
+from cats.model.kernels.gguf_modules import GGUFEmbedding, GGUFLinear, GGUFRows
+from cats.model.source import gguf_metadata
+from tests.conftest import SMOLLM2, STORIES_GGUF, STORIES_HF, needs
+
+pytestmark = pytest.mark.skipif(quantized.unavailable() is not None, reason=f"kernels: {quantized.unavailable()}")
+SMOLLM2_FILE = SMOLLM2 / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def smollm2_blocks():
+    return cats.load_model(SMOLLM2)
+
+
+@needs(SMOLLM2)
+def test_the_default_runs_the_files_blocks_without_a_float_copy(smollm2_blocks):
+    model = smollm2_blocks
+    assert model.weight_format == "GGUF Q4_1+Q8_0" and model.kernel_path.startswith("gguf-blocks/")
+    assert model.dtype == torch.float32
+    linears = [m for m in model.hf_model.modules() if isinstance(m, GGUFLinear)]
+    assert len(linears) == 30 * 7 + 1 and isinstance(model.decoder.embed_tokens, GGUFEmbedding)
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.hf_model.modules())
+    index = gguf_model.tensor_index(gguf_metadata(SMOLLM2_FILE))["tensors"]
+    file_bytes = sum(entry["bytes"] for entry in index.values())
+    held = {m.blocks.data_ptr(): m.blocks for m in model.hf_model.modules() if isinstance(m, GGUFRows)}
+    float_bytes = sum(p.numel() * p.element_size() for p in model.hf_model.parameters() if p.is_floating_point())
+    held_bytes = sum(t.numel() for t in held.values()) + float_bytes
+    assert abs(held_bytes - file_bytes) <= 0.05 * file_bytes  # the tied head shares the embedding's rows
+    ranges = [tuple(int(part, 16) for part in line.split()[0].split("-"))
+              for line in open("/proc/self/maps") if line.rstrip().endswith(str(SMOLLM2_FILE.resolve()))]
+    mapped = [t for t in held.values() if any(low <= t.data_ptr() < high for low, high in ranges)]
+    assert len(mapped) == len(held) - 2 * 30  # all but q and k (put back in transformers' row order: copies)
+
+
+@needs(SMOLLM2)
+def test_the_blocks_compute_what_the_dequantised_float_model_computes(smollm2_blocks):
+    floats = cats.load_model(SMOLLM2, kernels="aten")
+    assert floats.weight_format == "float32" and floats.kernel_path == "aten"
+    ids = torch.tensor(floats.tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"])
+    with torch.no_grad():
+        reference = floats.forward(ids, floats.new_cache())
+        blocks = smollm2_blocks.forward(ids, smollm2_blocks.new_cache())
+    assert torch.equal(blocks.argmax(-1), reference.argmax(-1))
+    assert (blocks - reference).abs().max() < 0.05 * reference.abs().max()  # 8-bit activations: close, not equal
+    for name in ("embed_tokens",):
+        rows = getattr(smollm2_blocks.decoder, name)(ids)
+        assert torch.equal(rows, getattr(floats.decoder, name)(ids))  # gguf-py's dequantisation on both paths
+
+
+@needs(STORIES_GGUF)
+@needs(STORIES_HF)
+def test_llama_rows_are_put_back_in_transformers_order():
+    """stories260K is F32 and Llama-family (q and k rows reordered by llama.cpp's converter): on its blocks it must
+    compute the HF folder's model up to summation order."""
+    with pytest.warns(UserWarning, match="tokenizer"):
+        blocks = cats.load_model(STORIES_GGUF)
+    reference = cats.load_model(STORIES_HF)
+    assert blocks.weight_format == "GGUF F32"
+    ids = torch.arange(1, 40)
+    with torch.no_grad():
+        torch.testing.assert_close(blocks.forward(ids, blocks.new_cache()),
+                                   reference.forward(ids, reference.new_cache()), rtol=1e-4, atol=1e-4)
+
+
+@needs(SMOLLM2)
+def test_float_settings_on_blocks_are_refused_with_the_fix():
+    with pytest.raises(InvalidArgumentError, match="--kernels aten"):
+        cats.load_model(SMOLLM2, dtype="bfloat16")
+    with pytest.raises(InvalidArgumentError, match="--kernels aten"):
+        cats.load_model(SMOLLM2, pack_weights=True)
+    with pytest.raises(InvalidArgumentError, match="kernels must be"):
+        cats.load_model(SMOLLM2, kernels="fast")
+
+
+@needs(SMOLLM2)
+def test_without_kernels_the_float_path_runs_with_a_notice(monkeypatch, capsys):
+    monkeypatch.setattr(quantized, "unavailable", lambda: "no C compiler found")
+    model = cats.load_model(SMOLLM2)
+    assert model.kernel_path == "aten" and model.weight_format == "float32"
+    assert "no C compiler found" in capsys.readouterr().err
+
+
+@needs(SMOLLM2)
+def test_a_type_without_kernel_falls_back(monkeypatch, capsys):
+    monkeypatch.setattr(quantized, "supports", lambda code, columns: code != quantized.TYPES["Q4_1"])
+    model = cats.load_model(SMOLLM2)
+    assert model.kernel_path == "aten"
+    assert "is Q4_1 with rows of" in capsys.readouterr().err

@@ -1,0 +1,140 @@
+"""The linears on GGUF blocks (`cats.model.kernels.quantized`), each instruction-set path forced: every type against
+gguf-py's dequantisation with the activations rounded as the kernels round them, row-invariance, bias, bad input."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from cats.model.kernels import quantized
+
+QUANTISED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+FLOATS = ["F32", "F16", "BF16"]
+SCALE_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
+                 "Q5_K": [0, 2], "Q6_K": [208]}  # where each block keeps its float16 scales (and mins)
+
+
+def _paths():
+    return [pytest.param(isa, marks=pytest.mark.skipif(quantized.choose(isa)[0] is None,
+                                                        reason=f"the {isa} kernels do not run here"))
+            for isa in quantized.ISAS]
+
+
+@pytest.fixture(params=_paths())
+def path(request):
+    quantized.use(request.param)
+    yield request.param
+    quantized.use(None)
+
+
+def random_tensor(name: str, rows: int, columns: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """``(stored rows uint8 [rows, row bytes], their values float64 [rows, columns])``: random bits for every
+    quantised field, small float16 scales."""
+    if name in FLOATS:
+        values = rng.standard_normal((rows, columns)).astype(np.float32)
+        if name == "F16":
+            values = values.astype(np.float16).astype(np.float32)
+            return values.astype(np.float16).view(np.uint8).reshape(rows, -1), values.astype(np.float64)
+        if name == "BF16":
+            bits = (values.view(np.uint32) >> 16).astype(np.uint16)
+            return bits.view(np.uint8).reshape(rows, -1), (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return values.view(np.uint8).reshape(rows, -1), values.astype(np.float64)
+    kind = GGMLQuantizationType[name]
+    values_per_block, block_bytes = GGML_QUANT_SIZES[kind]
+    blocks = columns // values_per_block
+    raw = rng.integers(0, 256, size=(rows, blocks, block_bytes), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[name]:
+        scales = (rng.standard_normal((rows, blocks)) * 0.01).astype(np.float16)
+        raw[:, :, offset:offset + 2] = scales.view(np.uint8).reshape(rows, blocks, 2)
+    raw = raw.reshape(rows, -1)
+    return raw, dequantize(raw, kind).reshape(rows, columns).astype(np.float64)
+
+
+def rounded_activations(x: np.ndarray, block: int) -> np.ndarray:
+    """What the kernels multiply: each row in blocks of ``block`` values, scale max|x| / 127, rounded to nearest even."""
+    if block == 1:
+        return x.astype(np.float64)
+    grouped = x.astype(np.float32).reshape(x.shape[0], -1, block)
+    top = np.abs(grouped).max(-1, keepdims=True)
+    inverse = np.where(top > 0, np.float32(127) / np.where(top > 0, top, 1), 0).astype(np.float32)
+    levels = np.clip(np.rint(grouped * inverse), -127, 127)
+    return (levels * (top / np.float32(127))).reshape(x.shape).astype(np.float64)
+
+
+def run(x: np.ndarray, raw: np.ndarray, name: str, bias: np.ndarray | None = None) -> np.ndarray:
+    code = quantized.TYPES[name]
+    return quantized.linear(torch.from_numpy(x), torch.from_numpy(raw), code, x.shape[-1],
+                            None if bias is None else torch.from_numpy(bias)).numpy()
+
+
+@pytest.mark.parametrize("name", QUANTISED + FLOATS)
+@pytest.mark.parametrize("rows,columns,tokens", [(37, 768, 5), (50, 512, 9), (3, 256, 1)])
+def test_each_type_computes_the_dequantised_product(path, name, rows, columns, tokens):
+    rng = np.random.default_rng(zlib.crc32(f"{name} {rows}".encode()))
+    raw, weights = random_tensor(name, rows, columns, rng)
+    x = rng.standard_normal((tokens, columns)).astype(np.float32)
+    bias = rng.standard_normal(rows).astype(np.float32)
+    out = run(x, raw, name, bias)
+    reference = rounded_activations(x, quantized.BLOCK_VALUES[quantized.TYPES[name]]) @ weights.T + bias
+    assert out.shape == (tokens, rows)
+    np.testing.assert_allclose(out, reference, rtol=0, atol=2e-6 * np.abs(reference).max())
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q5_1", "F16"])
+def test_an_odd_number_of_32_value_blocks(path, name):
+    rng = np.random.default_rng(1)
+    raw, weights = random_tensor(name, 20, 32 * 9, rng)  # 9 blocks: the last pair is half empty
+    x = rng.standard_normal((3, 32 * 9)).astype(np.float32)
+    reference = rounded_activations(x, quantized.BLOCK_VALUES[quantized.TYPES[name]]) @ weights.T
+    np.testing.assert_allclose(run(x, raw, name), reference, rtol=0, atol=2e-6 * np.abs(reference).max())
+
+
+@pytest.mark.parametrize("name", QUANTISED + FLOATS)
+def test_a_tokens_output_does_not_depend_on_the_others(path, name):
+    """Row-invariant: each row computed alone, or among 2..11 others, gives the same bits."""
+    rng = np.random.default_rng(2)
+    raw, _ = random_tensor(name, 33, 512, rng)
+    x = rng.standard_normal((11, 512)).astype(np.float32)
+    together = run(x, raw, name)
+    for count in (1, 2, 3, 5, 8):
+        assert np.array_equal(run(x[:count], raw, name), together[:count])
+    for row in range(11):
+        assert np.array_equal(run(x[row:row + 1], raw, name)[0], together[row])
+
+
+def test_the_paths_agree_closely():
+    """The AVX-512 and AVX2 builds compute the same products (summation orders differ: last bits only)."""
+    if any(quantized.choose(isa)[0] is None for isa in quantized.ISAS):
+        pytest.skip("both paths must run here")
+    rng = np.random.default_rng(3)
+    raw, _ = random_tensor("Q4_K", 16, 512, rng)
+    x = rng.standard_normal((4, 512)).astype(np.float32)
+    outs = []
+    for isa in quantized.ISAS:
+        quantized.use(isa)
+        outs.append(run(x, raw, "Q4_K"))
+    quantized.use(None)
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+
+
+def test_a_row_length_off_the_block_is_refused(path):
+    raw, _ = random_tensor("Q4_K", 4, 256, np.random.default_rng(4))
+    with pytest.raises(ValueError, match="Q4_K rows of 200 values"):
+        quantized.linear(torch.zeros(1, 200), torch.from_numpy(raw), quantized.TYPES["Q4_K"], 200)
+    assert not quantized.supports(quantized.TYPES["Q4_K"], 200) and quantized.supports(quantized.TYPES["Q4_0"], 96)
+    assert not quantized.supports(99, 256)  # a type without a kernel
+
+
+def test_an_unknown_instruction_set_is_named():
+    isa, reason = quantized.choose("sse9")
+    assert isa is None and "unknown instruction set 'sse9'" in reason
+
+
+def test_switched_off_says_so(monkeypatch):
+    monkeypatch.setenv("CATS_KERNELS", "0")
+    assert quantized.choose() == (None, "switched off (CATS_KERNELS=0)")
