@@ -261,25 +261,37 @@ static inline float decode_k(int type, const uint8_t* p, v64* w, v64* scale, flo
   return d;
 }
 
-/* Tokens a[0 .. T-1] (T <= 4) against one row of k-quant blocks into out[T]: each block is decoded once for all of
- * them; every token's operations are those it gets alone (row-invariant). `offsets`: room for the row's. */
-static void tokens_k(int type, const uint8_t* row, long blocks, const acts* a, long T, float* offsets, float* out) {
-  long block_bytes = type == Q4_K ? 144 : type == Q5_K ? 176 : 210, per = type == Q6_K ? 16 : 8;
-  vf acc[4] = {zerof(), zerof(), zerof(), zerof()};
-  v64 w[4], scale[4];
-  for (long b = 0; b < blocks; b++) {
-    float d = decode_k(type, row + b * block_bytes, w, scale, offsets + b * per);
-#pragma GCC unroll 4
-    for (long t = 0; t < 4; t++) {
-      if (t >= T) continue;
-      const int8_t* x = a[t].q + b * 256;
-      v64 sums = zero64();
-      for (int u = 0; u < 4; u++) sums = dot16(sums, maddubs(w[u], load64(x + 64 * u)), scale[u]);
-      acc[t] = fmaddf(int_to_float(sums), fill(d * a[t].d[b]), acc[t]);
-    }
+/* Tokens a[0 .. T-1] against one row of k-quant blocks into out[T], T a constant (1, 2, 4 or 8): each block is
+ * decoded once for all of them; every token's operations are those it gets alone (row-invariant). `offsets`: room
+ * for the row's. */
+#define TOKENS_K(T)                                                                                                \
+  static void tokens_k##T(int type, const uint8_t* row, long blocks, const acts* a, float* offsets, float* out) {  \
+    long block_bytes = type == Q4_K ? 144 : type == Q5_K ? 176 : 210, per = type == Q6_K ? 16 : 8;                \
+    vf acc[T];                                                                                                     \
+    for (int t = 0; t < T; t++) acc[t] = zerof();                                                                  \
+    v64 w[4], scale[4];                                                                                            \
+    for (long b = 0; b < blocks; b++) {                                                                            \
+      float d = decode_k(type, row + b * block_bytes, w, scale, offsets + b * per);                                \
+      _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {                                                        \
+        const int8_t* x = a[t].q + b * 256;                                                                        \
+        v64 sums = zero64();                                                                                       \
+        for (int u = 0; u < 4; u++) sums = dot16(sums, maddubs(w[u], load64(x + 64 * u)), scale[u]);               \
+        acc[t] = fmaddf(int_to_float(sums), fill(d * a[t].d[b]), acc[t]);                                          \
+      }                                                                                                            \
+    }                                                                                                              \
+    for (int t = 0; t < T; t++)                                                                                    \
+      out[t] = reduce(acc[t]) - dot_floats(offsets, type == Q6_K ? a[t].sums16 : a[t].sums32, blocks * per);      \
   }
-  for (long t = 0; t < T; t++)
-    out[t] = reduce(acc[t]) - dot_floats(offsets, type == Q6_K ? a[t].sums16 : a[t].sums32, blocks * per);
+TOKENS_K(1)
+TOKENS_K(2)
+TOKENS_K(4)
+TOKENS_K(8)
+
+static void tokens_k(int type, const uint8_t* row, long blocks, const acts* a, long T, float* offsets, float* out) {
+  if (T == 8) tokens_k8(type, row, blocks, a, offsets, out);
+  else if (T >= 4) tokens_k4(type, row, blocks, a, offsets, out);
+  else if (T >= 2) tokens_k2(type, row, blocks, a, offsets, out);
+  else tokens_k1(type, row, blocks, a, offsets, out);
 }
 
 /* ------------------------------------------------------------------------ 32-value blocks (Q4_0 ... Q8_0) */
@@ -343,12 +355,18 @@ static void rows_blocks(int type, int block, const uint8_t* W, long row_bytes, l
   long blocks = K / block;
   for (long n = n0; n < n1; n++) {
     const uint8_t* row = W + n * row_bytes;
-    for (long m0 = 0; m0 < M; m0 += 4) {
-      long T = M - m0 < 4 ? M - m0 : 4;
-      float out[4];
-      if (block == 256) tokens_k(type, row, blocks, X + m0, T, offsets, out);
-      else tokens_32(type, row, blocks, X + m0, T, offsets, out);
+    for (long m0 = 0; m0 < M;) {
+      long left = M - m0, T;
+      float out[8];
+      if (block == 256) {
+        T = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        tokens_k(type, row, blocks, X + m0, T, offsets, out);
+      } else {
+        T = left < 4 ? left : 4;
+        tokens_32(type, row, blocks, X + m0, T, offsets, out);
+      }
       for (long t = 0; t < T; t++) Y[(m0 + t) * N + n] = bias ? out[t] + bias[n] : out[t];
+      m0 += T;
     }
   }
 }
