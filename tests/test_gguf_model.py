@@ -7,11 +7,15 @@ import pytest
 import torch
 
 import cats
+from cats.config import GenerationConfig
+from cats.draft import PromptLookupDrafter, TreeDrafter
 from cats.errors import InvalidArgumentError
+from cats.loop.generator import Generator
 from cats.model import gguf_model
 from cats.model.kernels import quantized
 from cats.model.kernels.gguf_modules import GGUFEmbedding, GGUFLinear, GGUFRows
 from cats.model.source import gguf_metadata
+from cats.prompts import encode_prompt
 from tests.conftest import SMOLLM2, STORIES_GGUF, STORIES_HF, needs
 
 pytestmark = pytest.mark.skipif(quantized.unavailable() is not None, reason=f"kernels: {quantized.unavailable()}")
@@ -97,3 +101,21 @@ def test_a_type_without_kernel_falls_back(monkeypatch, capsys):
     model = cats.load_model(SMOLLM2)
     assert model.kernel_path == "aten"
     assert "is Q4_1 with rows of" in capsys.readouterr().err
+
+
+@needs(SMOLLM2)
+@pytest.mark.parametrize("isa", list(quantized.ISAS))
+def test_speculation_reproduces_plain_decoding_on_each_kernel_path(smollm2_blocks, isa):
+    if quantized.choose(isa)[0] is None:
+        pytest.skip(f"the {isa} kernels do not run here")
+    quantized.use(isa)
+    try:
+        for text in ("List three uses of a paperclip.", "Write a haiku about the sea."):
+            prompt = encode_prompt(smollm2_blocks, text, chat=True)
+            plain = Generator(smollm2_blocks).generate(prompt, GenerationConfig(max_new_tokens=32)).token_ids
+            for drafter in (PromptLookupDrafter(num_tokens=6), TreeDrafter(smollm2_blocks, layer=8, tree_topk=3,
+                                                                            total_tokens=9, depth=3)):
+                speculative = Generator(smollm2_blocks, drafter).generate(prompt, GenerationConfig(max_new_tokens=32))
+                assert speculative.token_ids == plain, (isa, type(drafter).__name__)
+    finally:
+        quantized.use(None)

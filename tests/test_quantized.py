@@ -138,3 +138,15 @@ def test_an_unknown_instruction_set_is_named():
 def test_switched_off_says_so(monkeypatch):
     monkeypatch.setenv("CATS_KERNELS", "0")
     assert quantized.choose() == (None, "switched off (CATS_KERNELS=0)")
+
+
+def test_several_linears_in_one_call_are_the_separate_calls_side_by_side(path):
+    rng = np.random.default_rng(5)
+    parts = [(name, *random_tensor(name, rows, 512, rng), rng.standard_normal(rows).astype(np.float32) if bias else None)
+             for name, rows, bias in (("Q4_K", 20, True), ("Q6_K", 7, False), ("Q8_0", 5, True), ("F16", 3, False))]
+    group = quantized.Group([(torch.from_numpy(raw), quantized.TYPES[name], None if b is None else torch.from_numpy(b))
+                             for name, raw, _, b in parts], 512)
+    x = rng.standard_normal((6, 512)).astype(np.float32)
+    together = quantized.linears(torch.from_numpy(x), group).numpy()
+    separate = np.concatenate([run(x, raw, name, b) for name, raw, _, b in parts], axis=1)
+    assert together.shape == (6, 35) and np.array_equal(together, separate)

@@ -93,6 +93,21 @@ class GGUFEmbedding(GGUFRows):
         return f"{self.num_embeddings}, {self.embedding_dim}, type={self.type_name}"
 
 
+def fused_gguf_linear(hidden: torch.Tensor, modules) -> torch.Tensor | None:
+    """The outputs of ``modules`` (`GGUFLinear`\ s reading the same input: q, k and v; gate and up) side by side, from
+    one kernel call (`quantized.linears`: the input quantised once, one thread team); None unless every one of them
+    is a `GGUFLinear` of the same input width. The call's arguments are made once and kept by the first module."""
+    first = modules[0]
+    group = first.__dict__.get("_gguf_group")
+    if group is None or group[0] != [id(module) for module in modules]:
+        if not all(isinstance(module, GGUFLinear) and module.columns == first.columns for module in modules):
+            return None
+        group = ([id(module) for module in modules],
+                 quantized.Group([(m.blocks, m.type_code, m.bias) for m in modules], first.columns))
+        first.__dict__["_gguf_group"] = group
+    return quantized.linears(hidden, group[1])
+
+
 def kernel_path() -> str:
     """What the quantised linears run on here, for reports: ``avx512``/``avx2`` kernels, or why none."""
     reason = quantized.unavailable()

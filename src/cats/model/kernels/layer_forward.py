@@ -38,6 +38,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from cats.model.kernels import avx512
+from cats.model.kernels.gguf_modules import GGUFLinear, fused_gguf_linear
 from cats.model.kernels.packing import (
     LAYER_SPECS,
     _weight_key,
@@ -158,7 +159,7 @@ def _projections(layer: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor |
         q_width = attention.config.num_attention_heads * attention.head_dim
         return qkv_proj(hidden), q_width, attention.num_key_value_heads * attention.head_dim
     parts = (attention.q_proj, attention.k_proj, attention.v_proj)
-    fused = fused_linear(hidden, parts)
+    fused = fused_gguf_linear(hidden, parts) if isinstance(parts[0], GGUFLinear) else fused_linear(hidden, parts)
     if fused is None:
         return None, 0, 0
     return fused, parts[0].out_features, parts[1].out_features
@@ -238,7 +239,8 @@ def lean_layer_forward(layer: nn.Module, hidden: torch.Tensor, attention_mask: t
         gate, up = gate_up_proj(normed).chunk(2, dim=-1)
         activation = mlp.activation_fn
     else:
-        fused = fused_linear(normed, (mlp.gate_proj, mlp.up_proj))
+        parts = (mlp.gate_proj, mlp.up_proj)
+        fused = fused_gguf_linear(normed, parts) if isinstance(parts[0], GGUFLinear) else fused_linear(normed, parts)
         gate, up = fused.chunk(2, dim=-1) if fused is not None else (mlp.gate_proj(normed), mlp.up_proj(normed))
         activation = mlp.act_fn
     return hidden + mlp.down_proj(activation(gate) * up)

@@ -437,52 +437,89 @@ static int block_values(int type) {
 
 /* Y[M, N] = X[M, K] W^T (+ bias), W: N rows of row_bytes bytes of GGUF type `type`. Returns 0, or -1 for a type or
  * a K these kernels do not take (K a multiple of the type's block), -2 if out of memory. */
+/* X's rows quantised for blocks of `block` values (256 or 32): the row records point into *q and *floats (which
+ * the caller frees with the returned array). NULL if out of memory. */
+static acts* quantise_rows(const float* X, long M, long K, int block, int threads, int8_t** q, float** floats) {
+  long padded = (K + 63) / 64 * 64, per = padded / 32 + 2; /* 32-value blocks per row, with room for a pair */
+  long stride = per * 8 + per * 2 + per * 2 + per;          /* lanes, sums16, sums32 (or per-block d), d */
+  acts* rows = malloc(sizeof(acts) * M);
+  *q = calloc((size_t)(M * padded), 1);
+  *floats = calloc((size_t)(M * stride), sizeof(float));
+  if (!rows || !*q || !*floats) {
+    free(rows);
+    return NULL;
+  }
+  for (long m = 0; m < M; m++) {
+    float* f = *floats + m * stride;
+    acts a = {*q + m * padded, f, f + per, f + per + per * 8, f + per + per * 8 + per * 2};
+    rows[m] = a;
+  }
+#pragma omp parallel for num_threads(threads) schedule(static) if (M * K > 65536)
+  for (long m = 0; m < M; m++) quantise_row(X + m * K, K, block, rows[m]);
+  return rows;
+}
+
+/* Several linears on the same input in one call: Y[M, sum N] holds them side by side (linear i in columns
+ * offset_i .. offset_i + N_i - 1), Y[m, offset_i + n] = X[m] . W_i[n] (+ bias_i[n]), W_i: N_i rows of row_bytes_i
+ * bytes of GGUF type types[i] (NULL biases: none). X is quantised once per block size. Returns 0, -1 for a type or
+ * a K these kernels do not take (K a multiple of each type's block), -2 if out of memory. */
+int cats_quantized_linears(int count, const int* types, const uint8_t* const* W, const long* row_bytes,
+                           const long* N, const float* const* biases, const float* X, float* Y, long M, long K,
+                           int threads) {
+  long total = 0, chunks = 0, chunk = 16;
+  int families = 0; /* bit 0: 32-value blocks, bit 1: 256 */
+  for (int i = 0; i < count; i++) {
+    int block = block_values(types[i]);
+    if (block == 0 || K % block) return -1;
+    families |= block == 32 ? 1 : block == 256 ? 2 : 0;
+    total += N[i];
+    chunks += (N[i] + chunk - 1) / chunk;
+  }
+  if (M <= 0 || total <= 0) return 0;
+  acts *rows32 = NULL, *rows256 = NULL;
+  int8_t *q32 = NULL, *q256 = NULL;
+  float *f32 = NULL, *f256 = NULL;
+  int failed = 0;
+  if (families & 1) failed |= !(rows32 = quantise_rows(X, M, K, 32, threads, &q32, &f32));
+  if (families & 2) failed |= !(rows256 = quantise_rows(X, M, K, 256, threads, &q256, &f256));
+  long padded = (K + 63) / 64 * 64;
+  if (!failed) {
+#pragma omp parallel num_threads(threads) if (threads > 1 && chunks > 1)
+    {
+      float* scratch = malloc(sizeof(float) * (size_t)(padded / 16 + 16)); /* a row's offsets */
+      if (!scratch) {
+#pragma omp atomic write
+        failed = 1;
+      }
+#pragma omp for schedule(static)
+      for (long c = 0; c < chunks; c++) {
+        long first = c, offset = 0; /* chunk c: linear i, rows n0 .. n1 - 1 */
+        int i = 0;
+        while (first >= (N[i] + chunk - 1) / chunk) {
+          first -= (N[i] + chunk - 1) / chunk;
+          offset += N[i];
+          i++;
+        }
+        long n0 = first * chunk, n1 = n0 + chunk < N[i] ? n0 + chunk : N[i];
+        int block = block_values(types[i]);
+        if (!scratch) continue;
+        if (block == 1) rows_float(types[i], W[i], row_bytes[i], n0, n1, X, M, K, biases[i], Y + offset, total);
+        else rows_blocks(types[i], block, W[i], row_bytes[i], n0, n1, block == 32 ? rows32 : rows256, M, K,
+                         biases[i], Y + offset, total, scratch);
+      }
+      free(scratch);
+    }
+  }
+  free(rows32); free(q32); free(f32);
+  free(rows256); free(q256); free(f256);
+  return failed ? -2 : 0;
+}
+
+/* One linear: Y[M, N] = X[M, K] W^T (+ bias), W: N rows of row_bytes bytes of GGUF type `type` (see
+ * cats_quantized_linears). */
 int cats_quantized_linear(int type, const uint8_t* W, long row_bytes, const float* X, const float* bias, float* Y,
                           long M, long N, long K, int threads) {
-  int block = block_values(type);
-  if (block == 0 || K % block) return -1;
-  if (M <= 0 || N <= 0) return 0;
-  long padded = (K + 63) / 64 * 64, per = padded / 32 + 2; /* 32-value blocks per row, with room for a pair */
-  acts* rows = NULL;
-  int8_t* q = NULL;
-  float* floats = NULL;
-  if (block > 1) {
-    long stride = per * 8 + per * 2 + per * 2 + per; /* lanes, sums16, sums32 (or per-block d), d */
-    rows = malloc(sizeof(acts) * M);
-    q = calloc((size_t)(M * padded), 1);
-    floats = calloc((size_t)(M * stride), sizeof(float));
-    if (!rows || !q || !floats) {
-      free(rows); free(q); free(floats);
-      return -2;
-    }
-    for (long m = 0; m < M; m++) {
-      float* f = floats + m * stride;
-      acts a = {q + m * padded, f, f + per, f + per + per * 8, f + per + per * 8 + per * 2};
-      rows[m] = a;
-    }
-#pragma omp parallel for num_threads(threads) schedule(static) if (M * K > 65536)
-    for (long m = 0; m < M; m++) quantise_row(X + m * K, K, block, rows[m]);
-  }
-  long chunk = 16, chunks = (N + chunk - 1) / chunk;
-  int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1 && chunks > 1)
-  {
-    
-    float* scratch = block > 1 ? malloc(sizeof(float) * (size_t)(padded / 16 + 16)) : NULL; /* a row's offsets */
-    if (block > 1 && !scratch) {
-#pragma omp atomic write
-      failed = 1;
-    }
-#pragma omp for schedule(static)
-    for (long c = 0; c < chunks; c++) {
-      long n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-      if (block == 1) rows_float(type, W, row_bytes, n0, n1, X, M, K, bias, Y, N);
-      else if (scratch) rows_blocks(type, block, W, row_bytes, n0, n1, rows, M, K, bias, Y, N, scratch);
-    }
-    free(scratch);
-  }
-  free(rows); free(q); free(floats);
-  return failed ? -2 : 0;
+  return cats_quantized_linears(1, &type, &W, &row_bytes, &N, &bias, X, Y, M, K, threads);
 }
 
 /* A small call of every type: the child process that checks this build runs it (an instruction the CPU cannot

@@ -80,6 +80,9 @@ def _load(isa: str) -> tuple[ctypes.CDLL | None, str | None]:
                     function.argtypes = [ctypes.c_int] + [ctypes.c_void_p] + [ctypes.c_long] + [ctypes.c_void_p] * 3 \
                         + [ctypes.c_long] * 3 + [ctypes.c_int]
                     function.restype = ctypes.c_int
+                    several = library.cats_quantized_linears
+                    several.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_long] * 2 + [ctypes.c_int]
+                    several.restype = ctypes.c_int
                 _STATE[isa] = (library if reason is None else None, reason)
     return _STATE[isa]
 
@@ -136,16 +139,55 @@ def supports(type_code: int, columns: int) -> bool:
     return block is not None and columns % block == 0
 
 
+def _library_in_use():
+    chosen = _STATE.get("chosen")
+    if chosen is None or chosen[0] is None:
+        reason = unavailable()
+        if reason is not None:
+            raise RuntimeError(f"the quantised kernels cannot run here: {reason}")
+    return _STATE[_STATE["chosen"][0]][0]
+
+
+class Group:
+    """Several linears that read the same input (q, k and v; gate and up), for `linears`: their rows, types and
+    biases as the C function takes them (the tensors are kept alive here)."""
+
+    def __init__(self, parts: list[tuple[torch.Tensor, int, torch.Tensor | None]], columns: int):
+        self.parts, self.columns = parts, columns
+        count = len(parts)
+        self.count, self.rows = count, sum(blocks.shape[0] for blocks, _, _ in parts)
+        self.types = (ctypes.c_int * count)(*[code for _, code, _ in parts])
+        self.pointers = (ctypes.c_void_p * count)(*[blocks.data_ptr() for blocks, _, _ in parts])
+        self.row_bytes = (ctypes.c_long * count)(*[blocks.stride(0) for blocks, _, _ in parts])
+        self.sizes = (ctypes.c_long * count)(*[blocks.shape[0] for blocks, _, _ in parts])
+        self.biases = (ctypes.c_void_p * count)(*[None if bias is None else bias.data_ptr() for _, _, bias in parts])
+
+
+def linears(hidden: torch.Tensor, group: Group) -> torch.Tensor:
+    """The linears of ``group`` on ``hidden`` ``[..., columns]`` side by side, ``[..., sum of their rows]``, in one
+    call: the input is quantised once and one thread team covers every row."""
+    library = _library_in_use()
+    if hidden.dtype != torch.float32:
+        hidden = hidden.to(torch.float32)
+    if not hidden.is_contiguous():
+        hidden = hidden.contiguous()
+    out = hidden.new_empty(hidden.shape[:-1] + (group.rows,))
+    columns = group.columns
+    done = library.cats_quantized_linears(group.count, group.types, group.pointers, group.row_bytes, group.sizes,
+                                          group.biases, hidden.data_ptr(), out.data_ptr(),
+                                          hidden.numel() // columns if columns else 0, columns,
+                                          torch.get_num_threads())
+    if done != 0:
+        raise ValueError("the quantised kernels cannot multiply these rows" if done == -1
+                         else "out of memory in the quantised kernels")
+    return out
+
+
 def linear(hidden: torch.Tensor, blocks: torch.Tensor, type_code: int, columns: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """``hidden @ W.T (+ bias)`` in float32 for ``hidden`` ``[..., columns]`` (float32) and W the rows of ``blocks``
     (uint8 ``[N, row bytes]``, a GGUF tensor's rows as stored, type ``type_code``); ``bias`` float32 or None."""
-    library = _STATE["chosen"][0] and _STATE[_STATE["chosen"][0]][0]
-    if not library:
-        reason = unavailable()
-        if reason is not None:
-            raise RuntimeError(f"the quantised kernels cannot run here: {reason}")
-        library = _STATE[_STATE["chosen"][0]][0]
+    library = _library_in_use()
     if hidden.dtype != torch.float32:
         hidden = hidden.to(torch.float32)
     if not hidden.is_contiguous():
