@@ -135,6 +135,20 @@ class LlamaServerMethod(BenchMethod):
     def describe(self):
         return dict(self.settings)
 
+    def own_peak_rss_mb(self) -> float | None:
+        """The server's VmHWM (peak resident set, as the kernel counts it), read while it runs."""
+        process = getattr(self, "process", None)
+        if process is None or process.poll() is not None:
+            return None
+        try:
+            status = Path(f"/proc/{process.pid}/status").read_text()
+        except OSError:
+            return None
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        return None
+
     def close(self):
         process = getattr(self, "process", None)
         if process is not None and process.poll() is None:

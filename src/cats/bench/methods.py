@@ -159,6 +159,11 @@ class BenchMethod(ABC):
         """Settings shown in the summary and report."""
         return {}
 
+    def own_peak_rss_mb(self) -> float | None:
+        """The peak resident memory of the process this method runs in, when it runs in a process of its own (a
+        server); None: it runs in the bench's process, whose memory is sampled while it runs."""
+        return None
+
     def close(self) -> None:
         """Release what the method holds (restore shared state)."""
 

@@ -56,7 +56,8 @@ def render_report(summary: dict, requested_methods: list[str] | None = None) -> 
         "- mean accepted: tokens committed per target forward after the first (1.00 for plain decoding)",
         ("- peak RSS: each method ran alone in its own process under the budget; its peak resident memory "
          "(VmHWM, loading included)" if summary.get("memory_budget") else
-         "- peak RSS: the process's resident memory while the method ran (shared weights included)"),
+         "- peak RSS: the process's resident memory while the method ran (shared weights included); a method in a "
+         "process of its own (llama-server): that process's peak (VmHWM)"),
         *([f"- memory budget: {summary['memory_budget']} = {summary['memory_budget_mb']:.1f} MiB; runtime baseline "
            f"{summary['runtime_baseline_mb']:.1f} MiB (torch, transformers, CATS, tokenizer, weightless skeleton); "
            "within budget: peak RSS <= budget x 1.1 + baseline"] if summary.get("memory_budget") else

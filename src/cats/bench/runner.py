@@ -260,6 +260,7 @@ def run_in_process(config: BenchConfig, questions: list[Question], out: Path, mo
                         writers[name].write(answer)
                         answers[name].append(answer)
                         progress.update()
+        own_peaks = {name: method.own_peak_rss_mb() for name, method in methods.items()}  # servers, before they stop
     except BaseException:
         for writer in writers.values():
             writer.abandon()
@@ -269,7 +270,7 @@ def run_in_process(config: BenchConfig, questions: list[Question], out: Path, mo
             method.close()
     for writer in writers.values():
         writer.finish()
-    peaks = {name: rss.peak_mb(name) for name in methods}
+    peaks = {name: own_peaks[name] if own_peaks[name] is not None else rss.peak_mb(name) for name in methods}
     return (answers, peaks, {name: method.describe() for name, method in methods.items()}, skipped,
             {name: method.acceptance for name, method in methods.items()})
 
