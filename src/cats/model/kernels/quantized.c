@@ -316,38 +316,54 @@ static inline __m256i decode_32(int type, const uint8_t* p, float* d, float* off
   return w;
 }
 
-static void tokens_32(int type, const uint8_t* row, long blocks, const acts* a, long T, float* offsets, float* out) {
-  long block_bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : type == Q5_1 ? 24 : 34;
-  vf acc[4] = {zerof(), zerof(), zerof(), zerof()};
-  for (long b = 0; b < blocks; b += 2) { /* a pair of blocks (the last one alone: zero weights beside it) */
-    float da, db = 0.0f;
-    __m256i wa = decode_32(type, row + b * block_bytes, &da, offsets + b);
-    __m256i wb = b + 1 < blocks ? decode_32(type, row + (b + 1) * block_bytes, &db, offsets + b + 1)
-                                : _mm256_setzero_si256();
-    v64 w = join(wa, wb), u = type == Q8_0 ? abs8(w) : w;
+/* The same for a row of 32-value blocks, taken a pair at a time (the last block alone: zero weights beside it). */
 #ifdef WIDE
-    __m512 dw = _mm512_insertf32x8(_mm512_set1_ps(da), _mm256_set1_ps(db), 1);
+#define ACCUMULATE_32(t)                                                                                           \
+  acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(dw, _mm512_loadu_ps(a[t].lanes + b * 8)), acc[t]);
 #else
-    __m256 dw0 = _mm256_set1_ps(da), dw1 = _mm256_set1_ps(db);
+#define ACCUMULATE_32(t)                                                                                           \
+  acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots.lo), _mm256_mul_ps(dw0, _mm256_loadu_ps(a[t].lanes + b * 8)),   \
+                           acc[t]);                                                                                \
+  acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots.hi), _mm256_mul_ps(dw1, _mm256_loadu_ps(a[t].lanes + b * 8 + 8)), \
+                           acc[t]);
 #endif
-#pragma GCC unroll 4
-    for (long t = 0; t < 4; t++) {
-      if (t >= T) continue;
-      v64 x = load64(a[t].q + b * 32);
-      if (type == Q8_0) x = sign8(x, w);
-      v64 dots = dot8(u, x);
-#ifdef WIDE
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(dw, _mm512_loadu_ps(a[t].lanes + b * 8)), acc[t]);
-#else
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots.lo), _mm256_mul_ps(dw0, _mm256_loadu_ps(a[t].lanes + b * 8)),
-                               acc[t]);
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots.hi),
-                               _mm256_mul_ps(dw1, _mm256_loadu_ps(a[t].lanes + b * 8 + 8)), acc[t]);
-#endif
-    }
+#define TOKENS_32(T)                                                                                                \
+  static void tokens_32_##T(int type, const uint8_t* row, long blocks, const acts* a, float* offsets, float* out) { \
+    long block_bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : type == Q5_1 ? 24 : 34;          \
+    vf acc[T];                                                                                                      \
+    for (int t = 0; t < T; t++) acc[t] = zerof();                                                                   \
+    for (long b = 0; b < blocks; b += 2) {                                                                          \
+      float da, db = 0.0f;                                                                                          \
+      __m256i wa = decode_32(type, row + b * block_bytes, &da, offsets + b);                                        \
+      __m256i wb = b + 1 < blocks ? decode_32(type, row + (b + 1) * block_bytes, &db, offsets + b + 1)              \
+                                  : _mm256_setzero_si256();                                                         \
+      v64 w = join(wa, wb), u = type == Q8_0 ? abs8(w) : w;                                                         \
+      PAIR_SCALES                                                                                                   \
+      _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {                                                         \
+        v64 x = load64(a[t].q + b * 32);                                                                            \
+        if (type == Q8_0) x = sign8(x, w);                                                                          \
+        v64 dots = dot8(u, x);                                                                                      \
+        ACCUMULATE_32(t)                                                                                            \
+      }                                                                                                             \
+    }                                                                                                               \
+    for (int t = 0; t < T; t++)                                                                                     \
+      out[t] = reduce(acc[t]) + (type == Q8_0 ? 0.0f : dot_floats(offsets, a[t].sums32, blocks));                  \
   }
-  for (long t = 0; t < T; t++)
-    out[t] = reduce(acc[t]) + (type == Q8_0 ? 0.0f : dot_floats(offsets, a[t].sums32, blocks));
+#ifdef WIDE
+#define PAIR_SCALES __m512 dw = _mm512_insertf32x8(_mm512_set1_ps(da), _mm256_set1_ps(db), 1);
+#else
+#define PAIR_SCALES __m256 dw0 = _mm256_set1_ps(da), dw1 = _mm256_set1_ps(db);
+#endif
+TOKENS_32(1)
+TOKENS_32(2)
+TOKENS_32(4)
+TOKENS_32(8)
+
+static void tokens_32(int type, const uint8_t* row, long blocks, const acts* a, long T, float* offsets, float* out) {
+  if (T == 8) tokens_32_8(type, row, blocks, a, offsets, out);
+  else if (T >= 4) tokens_32_4(type, row, blocks, a, offsets, out);
+  else if (T >= 2) tokens_32_2(type, row, blocks, a, offsets, out);
+  else tokens_32_1(type, row, blocks, a, offsets, out);
 }
 
 static void rows_blocks(int type, int block, const uint8_t* W, long row_bytes, long n0, long n1, const acts* X,
@@ -362,7 +378,7 @@ static void rows_blocks(int type, int block, const uint8_t* W, long row_bytes, l
         T = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
         tokens_k(type, row, blocks, X + m0, T, offsets, out);
       } else {
-        T = left < 4 ? left : 4;
+        T = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
         tokens_32(type, row, blocks, X + m0, T, offsets, out);
       }
       for (long t = 0; t < T; t++) Y[(m0 + t) * N + n] = bias ? out[t] + bias[n] : out[t];
