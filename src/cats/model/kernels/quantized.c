@@ -181,6 +181,13 @@ static inline float dot_floats(const float* c, const float* s, long count) {
   return total;
 }
 
+#ifndef PREFETCH
+#define PREFETCH 4096 /* bytes ahead of the block being decoded that are requested from memory */
+#endif
+static inline void prefetch_ahead(const uint8_t* p, long bytes) {
+  for (long offset = 0; offset < bytes; offset += 64) _mm_prefetch((const char*)(p + PREFETCH + offset), _MM_HINT_T0);
+}
+
 /* ---------------------------------------------------------------------------------------------- k-quants */
 /* One block of 256 weights in registers: 4 x 64 values as u8 in value order, and per unit the int16 scale of every
  * pair of products after vpmaddubsw. The coefficients of the sums of X that the block subtracts go to `offsets`:
@@ -271,6 +278,7 @@ static inline float decode_k(int type, const uint8_t* p, v64* w, v64* scale, flo
     for (int t = 0; t < T; t++) acc[t] = zerof();                                                                  \
     v64 w[4], scale[4];                                                                                            \
     for (long b = 0; b < blocks; b++) {                                                                            \
+      prefetch_ahead(row + b * block_bytes, block_bytes);                                                          \
       float d = decode_k(type, row + b * block_bytes, w, scale, offsets + b * per);                                \
       _Pragma("GCC unroll 8") for (int t = 0; t < T; t++) {                                                        \
         const int8_t* x = a[t].q + b * 256;                                                                        \
@@ -334,6 +342,7 @@ static inline __m256i decode_32(int type, const uint8_t* p, float* d, float* off
     for (int t = 0; t < T; t++) acc[t] = zerof();                                                                   \
     for (long b = 0; b < blocks; b += 2) {                                                                          \
       float da, db = 0.0f;                                                                                          \
+      prefetch_ahead(row + b * block_bytes, 2 * block_bytes);                                                       \
       __m256i wa = decode_32(type, row + b * block_bytes, &da, offsets + b);                                        \
       __m256i wb = b + 1 < blocks ? decode_32(type, row + (b + 1) * block_bytes, &db, offsets + b + 1)              \
                                   : _mm256_setzero_si256();                                                         \
