@@ -17,17 +17,14 @@ from tqdm import tqdm
 
 import cats
 from cats.config import GenerationConfig
+from cats.draft.dytc.hindsight import chain_accepts
 from cats.loop.generator import Generator
 from cats.prompts import encode_prompt, read_questions
 
 
 def prefix_fraction(reference: list[int], other: list[int]) -> float:
-    same = 0
-    for a, b in zip(reference, other):
-        if a != b:
-            break
-        same += 1
-    return same / max(len(reference), 1)
+    """The fraction of ``reference`` that ``other`` reproduces before their first difference."""
+    return chain_accepts(other, reference) / max(len(reference), 1)
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help=f"HF folder, .gguf file or Hub id (default: {HUB_DEFAULT}, "
                         "from ../shared/data when present)")
     parser.add_argument("--dtype", default="float32", help="float weights' dtype: float32 (default), bfloat16, float16 "
-                        "or float64 (a GGUF file runs on its own blocks unless --kernels aten)")
+                        "or float64 (with a GGUF file, a dtype other than float32 implies --kernels aten)")
     parser.add_argument("--kernels", default="auto", choices=KERNEL_CHOICES,
                         help="auto (default): a GGUF file runs on its own quantised blocks, memory-mapped, on CATS's "
                         "row-invariant AVX-512/AVX2 kernels (8-bit activations, as llama.cpp), other checkpoints on "
@@ -41,7 +41,7 @@ def add_pack_argument(parser: argparse.ArgumentParser) -> None:
                         "on first use; oneDNN-prepacked linears where they cannot run): 2.3-2.7x faster plain "
                         "decoding on CPU, and speculative decoding reproduces plain decoding bit for bit in bf16 too; "
                         "outputs differ from unpacked ones in the last bits; costs about the weights' size of extra "
-                        "memory; not with --memory-budget")
+                        "memory; not with --memory-budget; with a GGUF file it implies --kernels aten")
 
 
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:

@@ -84,12 +84,8 @@ def load_model(
         check_packing(torch_dtype, memory_budget)
     if memory_budget is not None and device != "cpu":
         raise InvalidArgumentError(f"a memory budget streams layers into CPU memory; device {device!r} is not supported")
-    gguf = _runnable_gguf(model, kernels, memory_budget)
+    gguf = _runnable_gguf(model, kernels, memory_budget, float_settings=torch_dtype != torch.float32 or pack_weights)
     if gguf is not None:
-        if torch_dtype != torch.float32 or pack_weights:
-            raise InvalidArgumentError(f"{gguf.name} runs on its own quantised blocks with float32 activations; "
-                                       "--dtype and --pack-weights are for float weights: add --kernels aten to "
-                                       "dequantise it, or drop them")
         metadata = gguf_metadata(gguf)
         if tokenizer is None:
             tokenizer = load_tokenizer_from(str(metadata), model)
@@ -118,9 +114,10 @@ def load_model(
     return layered
 
 
-def _runnable_gguf(model, kernels: str, memory_budget):
-    """The GGUF file to run on its blocks (``kernels`` ``auto`` and the kernels take it), else None (with a notice
-    when they cannot, or under a memory budget, which streams float layers: the float path runs it)."""
+def _runnable_gguf(model, kernels: str, memory_budget, float_settings: bool):
+    """The GGUF file to run on its blocks (``kernels`` ``auto`` and the kernels take it), else None, with a notice
+    where the float path runs it instead: the kernels cannot, a memory budget (it streams float layers), or
+    ``float_settings`` (a dtype other than float32, or packed weights: settings of float weights)."""
     if kernels not in ("auto", "aten"):
         raise InvalidArgumentError(f"kernels must be 'auto' or 'aten', got {kernels!r}")
     gguf = gguf_file(model) if kernels == "auto" else None
@@ -128,6 +125,10 @@ def _runnable_gguf(model, kernels: str, memory_budget):
         return None
     if memory_budget is not None:
         notice(f"a memory budget streams dequantised float layers; running {gguf.name} on them (as --kernels aten)")
+        return None
+    if float_settings:
+        notice(f"--dtype and --pack-weights are settings of float weights; running {gguf.name} dequantised to them "
+               "(as --kernels aten)")
         return None
     try:
         check_runnable(gguf_metadata(gguf))
