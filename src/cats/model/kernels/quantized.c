@@ -295,12 +295,10 @@ TOKENS_K(2)
 TOKENS_K(4)
 TOKENS_K(8)
 
-static void tokens_k(int type, const uint8_t* row, long blocks, const acts* a, long T, float* offsets, float* out) {
-  if (T == 8) tokens_k8(type, row, blocks, a, offsets, out);
-  else if (T >= 4) tokens_k4(type, row, blocks, a, offsets, out);
-  else if (T >= 2) tokens_k2(type, row, blocks, a, offsets, out);
-  else tokens_k1(type, row, blocks, a, offsets, out);
-}
+/* name(T) for the largest tile T in {8, 4, 2, 1} not above `tokens` (whose count the caller takes) */
+#define BY_TILE(prefix, tokens, ...)                                                                              \
+  ((tokens) >= 8 ? prefix##8(__VA_ARGS__) : (tokens) >= 4 ? prefix##4(__VA_ARGS__)                              \
+                                          : (tokens) >= 2 ? prefix##2(__VA_ARGS__) : prefix##1(__VA_ARGS__))
 
 /* ------------------------------------------------------------------------ 32-value blocks (Q4_0 ... Q8_0) */
 /* One block as 32 bytes in value order (u8; Q8_0: s8), its d, and (to `offset`) the coefficient of d_x * sum(x_q):
@@ -368,12 +366,6 @@ TOKENS_32(2)
 TOKENS_32(4)
 TOKENS_32(8)
 
-static void tokens_32(int type, const uint8_t* row, long blocks, const acts* a, long T, float* offsets, float* out) {
-  if (T == 8) tokens_32_8(type, row, blocks, a, offsets, out);
-  else if (T >= 4) tokens_32_4(type, row, blocks, a, offsets, out);
-  else if (T >= 2) tokens_32_2(type, row, blocks, a, offsets, out);
-  else tokens_32_1(type, row, blocks, a, offsets, out);
-}
 
 static void rows_blocks(int type, int block, const uint8_t* W, long row_bytes, long n0, long n1, const acts* X,
                         long M, long K, const float* bias, float* Y, long N, float* offsets) {
@@ -385,10 +377,10 @@ static void rows_blocks(int type, int block, const uint8_t* W, long row_bytes, l
       float out[8];
       if (block == 256) {
         T = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-        tokens_k(type, row, blocks, X + m0, T, offsets, out);
+        BY_TILE(tokens_k, T, type, row, blocks, X + m0, offsets, out);
       } else {
         T = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-        tokens_32(type, row, blocks, X + m0, T, offsets, out);
+        BY_TILE(tokens_32_, T, type, row, blocks, X + m0, offsets, out);
       }
       for (long t = 0; t < T; t++) Y[(m0 + t) * N + n] = bias ? out[t] + bias[n] : out[t];
       m0 += T;
