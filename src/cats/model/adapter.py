@@ -39,6 +39,7 @@ from cats.model.kernels.layer_forward import (
     lean_layer_forward,
     lean_unsupported,
 )
+from cats.model.kernels.gguf_modules import dequantize_linears
 from cats.model.kernels.packing import pack_module, packed_linear
 from cats.model.layered import LayeredModel
 
@@ -119,7 +120,7 @@ class Adapter(nn.Module):
         self._cache_layer = model.num_layers if cache_layer is None else cache_layer
         last = model.num_layers - 1
         source = model.layers[last] if config.init == "copy" or features else model.layers[config.layer]
-        self.block = copy.deepcopy(source)
+        self.block = dequantize_linears(copy.deepcopy(source))  # float, trainable, whatever the target runs on
         if config.init == "random":
             self.block.apply(model.hf_model._init_weights)
         self.cache_layer = self.cache_layer  # its K/V go to the adapter's own cache layer (see the property)

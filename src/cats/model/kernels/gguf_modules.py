@@ -16,10 +16,12 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from cats.model.kernels import quantized
 
 FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGUF type code -> its torch dtype
+GROUPS = WeakIdKeyDictionary()  # first module of a fused group -> (the group's module ids, its `quantized.Group`)
 
 
 def file_rows(array: np.ndarray) -> torch.Tensor:
@@ -96,16 +98,33 @@ class GGUFEmbedding(GGUFRows):
 def fused_gguf_linear(hidden: torch.Tensor, modules) -> torch.Tensor | None:
     """The outputs of ``modules`` (`GGUFLinear`\ s reading the same input: q, k and v; gate and up) side by side, from
     one kernel call (`quantized.linears`: the input quantised once, one thread team); None unless every one of them
-    is a `GGUFLinear` of the same input width. The call's arguments are made once and kept by the first module."""
+    is a `GGUFLinear` of the same input width. The call's arguments are made once, kept in `GROUPS` by the first
+    module (outside it: a module is deep-copied by adapters, and ctypes pointers cannot be)."""
     first = modules[0]
-    group = first.__dict__.get("_gguf_group")
+    group = GROUPS.get(first)
     if group is None or group[0] != [id(module) for module in modules]:
         if not all(isinstance(module, GGUFLinear) and module.columns == first.columns for module in modules):
             return None
         group = ([id(module) for module in modules],
                  quantized.Group([(m.blocks, m.type_code, m.bias) for m in modules], first.columns))
-        first.__dict__["_gguf_group"] = group
+        GROUPS[first] = group
     return quantized.linears(hidden, group[1])
+
+
+def dequantize_linears(module: nn.Module) -> nn.Module:
+    """Replace every `GGUFLinear` inside ``module`` by an ``nn.Linear`` of its float32 values, in place (an adapter's
+    trainable copy of a target layer is float, whatever the target computes on); returns ``module``."""
+    for name, child in list(module.named_modules()):
+        if not isinstance(child, GGUFLinear):
+            continue
+        linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, dtype=torch.float32)
+        with torch.no_grad():
+            linear.weight.copy_(child.dequantized())
+            if child.bias is not None:
+                linear.bias.copy_(child.bias)
+        parent = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+        setattr(parent, name.rsplit(".", 1)[-1], linear)
+    return module
 
 
 def kernel_path() -> str:
