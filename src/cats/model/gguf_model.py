@@ -129,8 +129,7 @@ def load_gguf_model(gguf_path: Path, metadata: Path, attn_implementation: str = 
                 elif module.bias is not None:
                     missing.append(prefix + "bias")
                 replacement = GGUFLinear(blocks, type_code, columns, bias)
-            parent = hf_model.get_submodule(module_name.rsplit(".", 1)[0]) if "." in module_name else hf_model
-            setattr(parent, module_name.rsplit(".", 1)[-1], replacement)
+            hf_model.set_submodule(module_name, replacement)
             continue
         for parameter_name, parameter in list(module._parameters.items()):
             if parameter is None or not parameter.is_meta:

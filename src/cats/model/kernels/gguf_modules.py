@@ -122,8 +122,7 @@ def dequantize_linears(module: nn.Module) -> nn.Module:
             linear.weight.copy_(child.dequantized())
             if child.bias is not None:
                 linear.bias.copy_(child.bias)
-        parent = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
-        setattr(parent, name.rsplit(".", 1)[-1], linear)
+        module.set_submodule(name, linear)
     return module
 
 
