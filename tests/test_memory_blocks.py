@@ -173,10 +173,12 @@ def test_smollm2_streams_its_q4_1_blocks_and_decodes_as_in_memory(method, monkey
     monkeypatch.delenv("CATS_CACHE")  # the converted checkpoint other tests use
     adapters = None if method == "ar" else str(Path(__file__).resolve().parents[1] / "adapters" / "smollm2-135m-instruct")
     prompt = "Name three colours of the rainbow."
+    float_path = cats.KernelConfig(kernels="aten")  # the file dequantised; its blocks stream from the layer store
     streamed = cats.generate(str(SMOLLM2), prompt, method=method, chat=True, memory=cats.MemoryConfig(budget="50%"),
-                             generation=GenerationConfig(max_new_tokens=24), drafting=cats.DraftConfig(adapters=adapters))
+                             generation=GenerationConfig(max_new_tokens=24), drafting=cats.DraftConfig(adapters=adapters),
+                             kernels=float_path)
     plain = cats.generate(str(SMOLLM2), prompt, method="ar", chat=True, generation=GenerationConfig(max_new_tokens=24),
-                          kernels=cats.KernelConfig(kernels="aten"))  # a budget streams the float path
+                          kernels=float_path)
     assert streamed.token_ids == plain.token_ids
     offload = streamed.stats.offload
     per_layer = offload["bytes_read"] / offload["layers_read"]

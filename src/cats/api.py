@@ -28,6 +28,7 @@ from cats.loop.stats import GenerationStats
 from cats.loop.text import IncrementalDetokenizer
 from cats.methods import METHODS, check_method, make_drafter, make_scorer, memory_needs
 from cats.model import LayeredModel, load_model
+from cats.model.gguf_offload import stream_gguf_layers
 from cats.model.kernels.packing import check_packing
 from cats.model.source import config_folder, load_tokenizer, resolve_dtype
 from cats.model.weights.budget import parse_budget
@@ -72,10 +73,17 @@ def prepare(model: str | os.PathLike | LayeredModel, method: str, drafting: Draf
                          prefetch=memory.prefetch, prompt_tokens=prompt_tokens)
     if not isinstance(model, LayeredModel):
         return load_model(model, dtype=torch_dtype, memory_budget=memory.budget, memory_needs=needs,
-                          offload_io=memory.offload_io, layer_store=memory.layer_store, tokenizer=tokenizer)
+                          offload_io=memory.offload_io, layer_store=memory.layer_store, tokenizer=tokenizer,
+                          kernels=kernels.kernels)
     if model.memory_plan is not None:
         if parse_budget(memory.budget, model.memory_plan.parts.weights) != model.memory_plan.budget:
             raise InvalidArgumentError("this model already runs under another memory budget; load it again to change it")
+        return model
+    if getattr(model.hf_model, "gguf_mapping", None) is not None:  # on a GGUF file's blocks: streamed from the file
+        if memory.layer_store is not None:
+            raise InvalidArgumentError("a GGUF model on its blocks streams its layers from the file itself and keeps "
+                                       "no layer store; drop the layer store, or load it with --kernels aten")
+        model.attach_weights(*reversed(stream_gguf_layers(model.hf_model, memory.budget, needs, memory.offload_io)))
         return model
     offload_model(model, memory.budget, needs, memory.offload_io, memory.layer_store)
     return model

@@ -62,7 +62,8 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-budget", default=None, metavar="BYTES|PERCENT",
                         help="run under a memory budget (e.g. 300MiB, 1.5GB, 50%% of the weight bytes): embeddings, "
                         "lm_head, the draft layers, adapters, KV cache and activations stay resident, the deep layers "
-                        "stream from a per-layer store in $CATS_CACHE/layers (see docs/memory.md)")
+                        "stream: a .gguf on its blocks from the file itself, float weights from a per-layer store in "
+                        "$CATS_CACHE/layers (see docs/memory.md)")
     parser.add_argument("--prefetch", type=integer, default=None,
                         help="with --memory-budget: streamed layers read ahead of the one computing (default 2)")
     parser.add_argument("--offload-io", choices=("direct", "buffered"), default=None,

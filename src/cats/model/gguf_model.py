@@ -1,9 +1,9 @@
 """A GGUF model on its own blocks: transformers' model of the file's config, with every linear and the embedding
 replaced by modules that hold the file's rows as stored (memory-mapped, `cats.model.kernels.gguf_modules`) and compute
 on them with `cats.model.kernels.quantized`. No float copy of a weight is made, on disk or in memory: the resident
-weight bytes are the file's tensor bytes (plus the norms and biases, read as float32, and for Llama-family files the
-rows of q and k, which llama.cpp's converter reordered and which are put back in transformers' order: a copy of those
-rows, whose pages in the file are then never read).
+weight bytes are the file's tensor bytes. Float32 tensors that transformers uses as stored (norms, biases) are views
+of the file too; the few it changes (Gemma's norms) are float32 copies. For Llama-family files, whose q and k rows
+llama.cpp's converter reordered, the rows stay in the file's order and those linears reorder their outputs.
 
 Which GGUF tensor feeds which module is transformers' own mapping (``get_gguf_hf_weights_map``, built on gguf-py's
 tensor names), and each tensor gets transformers' own processing for its architecture (its ``TENSOR_PROCESSORS``):
@@ -11,7 +11,11 @@ applied to the row order of quantised tensors and to the values of float ones.
 """
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +29,13 @@ from cats.errors import DamagedFileError
 from cats.model.kernels import quantized
 from cats.model.kernels.gguf_modules import GGUFEmbedding, GGUFLinear, file_rows
 from cats.model.source import TENSOR_INDEX
+
+
+try:
+    _LIBC = ctypes.CDLL(None, use_errno=True)
+    _LIBC.madvise.argtypes, _LIBC.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+except (OSError, AttributeError):  # no C library with madvise: pages are left to the kernel
+    _LIBC = None
 
 
 class Unsupported(Exception):
@@ -47,6 +58,38 @@ def check_runnable(metadata: Path) -> None:
                               "kernels do not take")
 
 
+@dataclass(frozen=True)
+class FileMapping:
+    """Where a GGUF model's file is memory-mapped (``hf_model.gguf_mapping``): a tensor viewing it lies at file
+    offset ``tensor.data_ptr() - address``."""
+
+    path: Path
+    address: int
+    size: int
+
+    def offset_of(self, tensor: torch.Tensor) -> int | None:
+        """The file offset of ``tensor``'s data, or None where it is not a view of the file (a copy)."""
+        if tensor.is_meta:
+            return None
+        offset = tensor.data_ptr() - self.address
+        return offset if 0 <= offset and offset + tensor.numel() * tensor.element_size() <= self.size else None
+
+    def release(self, offset: int, length: int) -> None:
+        """Hand the pages of bytes ``[offset, offset + length)`` back to the kernel: unmapped from this process
+        (``MADV_DONTNEED``; read again from the file if touched) and dropped from the page cache where no one else
+        maps them (``POSIX_FADV_DONTNEED``). Only whole pages inside the range are released."""
+        page = mmap.PAGESIZE
+        first = -(-(self.address + offset) // page) * page
+        last = (self.address + offset + length) // page * page
+        if last > first and _LIBC is not None:
+            _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
+        descriptor = os.open(self.path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(descriptor, offset, length, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(descriptor)
+
+
 class _File:
     """The GGUF file memory-mapped once, its tensors as views."""
 
@@ -56,6 +99,7 @@ class _File:
         if self.map.shape[0] != index["file_bytes"]:
             raise DamagedFileError(path, f"is {self.map.shape[0]} bytes, its index says {index['file_bytes']}",
                                    "if it changed, run again (it is indexed anew); if it is damaged, re-download it")
+        self.mapping = FileMapping(path, self.map.ctypes.data, self.map.shape[0])
 
     def rows(self, name: str) -> tuple[torch.Tensor, int, int]:
         """``(uint8 [rows, row bytes] view, type code, columns)`` of tensor ``name``."""
@@ -65,9 +109,21 @@ class _File:
         return file_rows(data.reshape(shape[0], -1)), entry["type"], shape[1]
 
     def floats(self, name: str) -> np.ndarray:
-        """Tensor ``name`` as float32 values (a copy: norms and biases)."""
+        """Tensor ``name`` as float32 values: a view of the file where it stores float32, else a copy."""
         blocks, type_code, columns = self.rows(name)
+        if type_code == 0:
+            return blocks.numpy().view(np.float32).reshape(self.tensors[name]["shape"])
         return GGUFLinear(blocks, type_code, columns).dequantized().numpy().reshape(self.tensors[name]["shape"])
+
+    def processed_floats(self, processor: TensorProcessor, name: str) -> torch.Tensor:
+        """Tensor ``name`` as float32 after transformers' processing: a view of the file where that leaves the
+        stored float32 values as they are."""
+        values = self.floats(name)
+        processed = processor.process(values, name).weights
+        if processed is values or (processed.dtype == np.float32 and processed.shape == values.shape
+                                   and np.array_equal(processed, values)):
+            return file_rows(values)
+        return torch.from_numpy(np.ascontiguousarray(processed, dtype=np.float32))
 
 
 def _row_order(processor: TensorProcessor, gguf_name: str, rows: int) -> np.ndarray | None:
@@ -76,9 +132,6 @@ def _row_order(processor: TensorProcessor, gguf_name: str, rows: int) -> np.ndar
     return None if np.array_equal(order, np.arange(rows)) else order
 
 
-def _set_parameter(module: nn.Module, name: str, values: np.ndarray) -> None:
-    module._parameters[name] = nn.Parameter(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)),
-                                            requires_grad=False)
 
 
 def _embedding_scale(module: nn.Embedding) -> float | None:
@@ -116,19 +169,19 @@ def load_gguf_model(gguf_path: Path, metadata: Path, attn_implementation: str = 
                 continue
             blocks, type_code, columns = file.rows(name)
             order = _row_order(processor, name, blocks.shape[0])
-            if order is not None:
-                blocks = blocks[torch.from_numpy(order)]  # transformers' row order: a copy of these rows
             if isinstance(module, nn.Embedding):
+                if order is not None:
+                    blocks = blocks[torch.from_numpy(order)]  # (no architecture reorders its embedding rows)
                 replacement = GGUFEmbedding(blocks, type_code, columns, _embedding_scale(module))
             else:
                 bias_name = source(prefix + "bias") if module.bias is not None else None
                 bias = None
                 if bias_name is not None:
-                    bias = torch.from_numpy(processor.process(file.floats(bias_name).reshape(-1, 1), bias_name)
-                                            .weights.reshape(-1).astype(np.float32))
+                    bias = file.processed_floats(processor, bias_name)
                 elif module.bias is not None:
                     missing.append(prefix + "bias")
-                replacement = GGUFLinear(blocks, type_code, columns, bias)
+                replacement = GGUFLinear(blocks, type_code, columns, bias,
+                                         None if order is None else torch.from_numpy(order))
             hf_model.set_submodule(module_name, replacement)
             continue
         for parameter_name, parameter in list(module._parameters.items()):
@@ -138,9 +191,11 @@ def load_gguf_model(gguf_path: Path, metadata: Path, attn_implementation: str = 
             if name is None:
                 missing.append(prefix + parameter_name)
                 continue
-            _set_parameter(module, parameter_name, processor.process(file.floats(name), name).weights)
+            module._parameters[parameter_name] = nn.Parameter(file.processed_floats(processor, name),
+                                                              requires_grad=False)
     if missing:
         raise DamagedFileError(gguf_path, f"has no tensor for {', '.join(missing[:4])}"
                                           f"{' ...' if len(missing) > 4 else ''}",
                                "use a complete GGUF file, or load it with --kernels aten to see transformers' view")
+    hf_model.gguf_mapping = file.mapping
     return hf_model.eval()

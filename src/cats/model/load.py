@@ -19,6 +19,7 @@ from cats.errors import (
 from cats.cache_files import notice
 from cats.model.files import check_loading_info, check_model_folder
 from cats.model.gguf_model import Unsupported, check_runnable, load_gguf_model
+from cats.model.gguf_offload import load_gguf_under_budget
 from cats.model.kernels.packing import check_packing, pack_linears
 from cats.model.layered import LayeredModel, check_supported
 from cats.model.source import (
@@ -60,8 +61,9 @@ def load_model(
     """Load ``model`` (local folder, ``.gguf`` file, folder holding one ``.gguf``, or Hub id) as a `LayeredModel`.
 
     With ``memory_budget`` (bytes, ``"300MiB"``, ``"1.5GB"`` or ``"50%"`` of the weight bytes) only the parts the
-    plan keeps resident are read; the deep layers stream from a per-layer store made once under
-    ``$CATS_CACHE/layers`` (or ``layer_store``). ``memory_needs`` (`cats.model.weights.MemoryNeeds`, e.g. from
+    plan keeps resident are read; the deep layers stream: a GGUF file on its blocks from the file itself
+    (`cats.model.gguf_offload`), other models from a per-layer store made once under ``$CATS_CACHE/layers`` (or
+    ``layer_store``). ``memory_needs`` (`cats.model.weights.MemoryNeeds`, e.g. from
     `cats.methods.memory_needs` for a method) says what else must fit; ``offload_io`` is ``buffered`` or
     ``direct`` (see docs/memory.md). The plan is ``model.memory_plan``. ``tokenizer``: one already loaded for this
     model (e.g. to size the plan from the prompt), used instead of loading it again. ``pack_weights``
@@ -84,13 +86,24 @@ def load_model(
         check_packing(torch_dtype, memory_budget)
     if memory_budget is not None and device != "cpu":
         raise InvalidArgumentError(f"a memory budget streams layers into CPU memory; device {device!r} is not supported")
-    gguf = _runnable_gguf(model, kernels, memory_budget, float_settings=torch_dtype != torch.float32 or pack_weights)
+    gguf = _runnable_gguf(model, kernels, float_settings=torch_dtype != torch.float32 or pack_weights)
     if gguf is not None:
         metadata = gguf_metadata(gguf)
         if tokenizer is None:
             tokenizer = load_tokenizer_from(str(metadata), model)
-        hf_model = load_gguf_model(gguf, metadata, attn_implementation)
-        return LayeredModel(hf_model, tokenizer, name=str(model))
+        weights, plan = None, None
+        if memory_budget is None:
+            hf_model = load_gguf_model(gguf, metadata, attn_implementation)
+        else:
+            if layer_store is not None:
+                raise InvalidArgumentError("a GGUF file on its blocks streams its layers from the file itself and "
+                                           "keeps no layer store; drop the layer store, or pass kernels='aten' "
+                                           "(--kernels aten) to stream dequantised layers from one")
+            hf_model, plan, weights = load_gguf_under_budget(gguf, metadata, memory_budget, memory_needs, offload_io,
+                                                             attn_implementation)
+        layered = LayeredModel(hf_model, tokenizer, name=str(model))
+        layered.attach_weights(weights, plan)
+        return layered
     folder = local_folder(str(model))
     try:
         config = AutoConfig.from_pretrained(folder)
@@ -114,17 +127,14 @@ def load_model(
     return layered
 
 
-def _runnable_gguf(model, kernels: str, memory_budget, float_settings: bool):
+def _runnable_gguf(model, kernels: str, float_settings: bool):
     """The GGUF file to run on its blocks (``kernels`` ``auto`` and the kernels take it), else None, with a notice
-    where the float path runs it instead: the kernels cannot, a memory budget (it streams float layers), or
-    ``float_settings`` (a dtype other than float32, or packed weights: settings of float weights)."""
+    where the float path runs it instead: the kernels cannot, or ``float_settings`` (a dtype other than float32, or
+    packed weights: settings of float weights)."""
     if kernels not in ("auto", "aten"):
         raise InvalidArgumentError(f"kernels must be 'auto' or 'aten', got {kernels!r}")
     gguf = gguf_file(model) if kernels == "auto" else None
     if gguf is None:
-        return None
-    if memory_budget is not None:
-        notice(f"a memory budget streams dequantised float layers; running {gguf.name} on them (as --kernels aten)")
         return None
     if float_settings:
         notice(f"--dtype and --pack-weights are settings of float weights; running {gguf.name} dequantised to them "

@@ -21,7 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from cats.model.kernels import quantized
 
 FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGUF type code -> its torch dtype
-GROUPS = WeakIdKeyDictionary()  # first module of a fused group -> (the group's module ids, its `quantized.Group`)
+GROUPS = WeakIdKeyDictionary()  # first module of a fused group -> (its key, its `quantized.Group`, its output order)
 
 
 def file_rows(array: np.ndarray) -> torch.Tensor:
@@ -32,19 +32,24 @@ def file_rows(array: np.ndarray) -> torch.Tensor:
 
 
 class GGUFRows(nn.Module):
-    """A GGUF tensor's rows (``blocks``: uint8 ``[rows, row bytes]``) of ``columns`` values each, type ``type_code``."""
+    """A GGUF tensor's rows (``blocks``: uint8 ``[rows, row bytes]``) of ``columns`` values each, type ``type_code``.
+    ``order``: where the model's row order differs from the file's (llama.cpp's converter reorders Llama's q and k),
+    row i of the model is stored row ``order[i]``; the rows stay as stored (no copy) and outputs are reordered."""
 
-    def __init__(self, blocks: torch.Tensor, type_code: int, columns: int):
+    def __init__(self, blocks: torch.Tensor, type_code: int, columns: int, order: torch.Tensor | None = None):
         super().__init__()
         self.blocks = nn.Parameter(blocks, requires_grad=False)
         self.type_code, self.columns = type_code, columns
+        self.register_buffer("order", None if order is None else order.to(torch.long), persistent=False)
 
     @property
     def type_name(self) -> str:
         return GGMLQuantizationType(self.type_code).name
 
     def dequantized(self, index=slice(None)) -> torch.Tensor:
-        """Rows ``index`` (a slice or a tensor of row numbers) as float32 ``[n, columns]``."""
+        """Rows ``index`` (a slice or a tensor of row numbers, in the model's order) as float32 ``[n, columns]``."""
+        if self.order is not None:
+            index = self.order[index].reshape(-1)
         rows = self.blocks[index] if isinstance(index, slice) else self.blocks.index_select(0, index.reshape(-1).cpu())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -55,9 +60,12 @@ class GGUFRows(nn.Module):
 class GGUFLinear(GGUFRows):
     """``nn.Linear`` on a GGUF tensor's stored rows: float32 in, float32 out, computed on the blocks."""
 
-    def __init__(self, blocks: torch.Tensor, type_code: int, columns: int, bias: torch.Tensor | None = None):
-        super().__init__(blocks, type_code, columns)
+    def __init__(self, blocks: torch.Tensor, type_code: int, columns: int, bias: torch.Tensor | None = None,
+                 order: torch.Tensor | None = None):
+        super().__init__(blocks, type_code, columns, order)
         self.in_features, self.out_features = columns, blocks.shape[0]
+        if bias is not None and order is not None:  # the kernels add it in the stored order
+            bias = torch.empty_like(bias).index_copy_(0, self.order, bias)
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.float32).contiguous(), requires_grad=False)
 
     @property
@@ -66,7 +74,8 @@ class GGUFLinear(GGUFRows):
         return self.dequantized()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return quantized.linear(hidden, self.blocks, self.type_code, self.columns, self.bias)
+        out = quantized.linear(hidden, self.blocks, self.type_code, self.columns, self.bias)
+        return out if self.order is None else out.index_select(-1, self.order)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, type={self.type_name}"
@@ -101,14 +110,29 @@ def fused_gguf_linear(hidden: torch.Tensor, modules) -> torch.Tensor | None:
     is a `GGUFLinear` of the same input width. The call's arguments are made once, kept in `GROUPS` by the first
     module (outside it: a module is deep-copied by adapters, and ctypes pointers cannot be)."""
     first = modules[0]
+    if not all(isinstance(module, GGUFLinear) and module.columns == first.columns for module in modules):
+        return None
     group = GROUPS.get(first)
-    if group is None or group[0] != [id(module) for module in modules]:
-        if not all(isinstance(module, GGUFLinear) and module.columns == first.columns for module in modules):
-            return None
-        group = ([id(module) for module in modules],
-                 quantized.Group([(m.blocks, m.type_code, m.bias) for m in modules], first.columns))
+    key = [(id(m), m.blocks.data_ptr(), None if m.bias is None else m.bias.data_ptr())  # (a streamed layer's
+           for m in modules]  # parameters are views of whichever buffer holds it)
+    if group is None or group[0] != key:
+        group = (key, quantized.Group([(m.blocks, m.type_code, m.bias) for m in modules], first.columns),
+                 _joined_order(modules))
         GROUPS[first] = group
-    return quantized.linears(hidden, group[1])
+    out = quantized.linears(hidden, group[1])
+    return out if group[2] is None else out.index_select(-1, group[2])
+
+
+def _joined_order(modules) -> torch.Tensor | None:
+    """The output order of `quantized.linears` over ``modules`` side by side (None: each in its stored order)."""
+    if all(module.order is None for module in modules):
+        return None
+    parts, start = [], 0
+    for module in modules:
+        rows = module.out_features
+        parts.append(start + (torch.arange(rows) if module.order is None else module.order))
+        start += rows
+    return torch.cat(parts)
 
 
 def dequantize_linears(module: nn.Module) -> nn.Module:

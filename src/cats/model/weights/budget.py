@@ -22,6 +22,7 @@ import re
 from dataclasses import asdict, dataclass
 
 from cats.errors import InvalidArgumentError
+from cats.model.kernels.gguf_modules import GGUFRows
 
 KIB, MIB, GIB, TIB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 UNITS = {
@@ -96,8 +97,9 @@ class PartSizes:
     norm: int
     lm_head: int  # 0 when tied to the embeddings
     layers: list[int]
-    stored_layers: list[int] | None = None  # each layer's bytes in the layer store where it keeps quantised blocks
-    # (`cats.model.weights.blocks`; what streaming it reads); None: the layers' own sizes
+    stored_layers: list[int] | None = None  # each layer's bytes as streaming reads them where that differs from its
+    # size: a layer store's quantised blocks (`cats.model.weights.blocks`, fewer), a GGUF file's span of the layer
+    # (aligned: a little more); None: the layers' own sizes
 
     def stored(self, layer: int) -> int:
         return self.layers[layer] if self.stored_layers is None else self.stored_layers[layer]
@@ -109,7 +111,11 @@ class PartSizes:
             return sum(p.numel() * p.element_size() for p in module.parameters())
 
         decoder = hf_model.model
-        tied = hf_model.lm_head.weight is decoder.embed_tokens.weight
+        head, embed = hf_model.lm_head, decoder.embed_tokens
+        if isinstance(head, GGUFRows) and isinstance(embed, GGUFRows):  # one tensor of the file: the same rows
+            tied = head.blocks.data_ptr() == embed.blocks.data_ptr() and head.blocks.shape == embed.blocks.shape
+        else:
+            tied = head.weight is embed.weight
         return cls(embed=size(decoder.embed_tokens), norm=size(decoder.norm),
                    lm_head=0 if tied else size(hf_model.lm_head),
                    layers=[size(layer) for layer in decoder.layers[: hf_model.config.num_hidden_layers]])
@@ -237,7 +243,7 @@ class MemoryPlan:
     def with_resident(self, resident: int) -> "MemoryPlan":
         """The same needs with layers ``[0, resident)`` resident (the budget is not checked): its
         ``planned_bytes`` is the budget that plan needs."""
-        streamed = self.parts.layers[resident:]
+        streamed = [max(self.parts.layers[i], self.parts.stored(i)) for i in range(resident, self.num_layers)]
         slots = min(self.needs.prefetch + 1, len(streamed))
         slot_bytes = round_up(max(streamed)) if streamed else 0
         return MemoryPlan(self.budget, self.parts, self.needs, self.kv_bytes, self.activation_bytes, resident, slots,

@@ -44,7 +44,7 @@ from cats.model.weights.store import (
     write_from_checkpoint,
     write_from_model,
 )
-from cats.model.weights.stream import IO_MODES, LayerStreamer
+from cats.model.weights.stream import IO_MODES, LayerStreamer, store_layouts
 
 
 def plan_for(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: list[int] | None = None) -> MemoryPlan:
@@ -71,7 +71,9 @@ def _plan(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: list[i
     config = hf_model.config
     parts = PartSizes.of(hf_model)
     parts.stored_layers = stored_layers
-    itemsize = hf_model.model.embed_tokens.weight.element_size()
+    embed = hf_model.model.embed_tokens
+    compute_dtype = getattr(embed, "compute_dtype", None)  # GGUF rows: float32 activations; else the weights' dtype
+    itemsize = compute_dtype.itemsize if compute_dtype is not None else embed.weight.element_size()
     kv = kv_cache_bytes(config, itemsize, needs.context_tokens + needs.max_tree_tokens, needs.extra_cache_layers)
     # a decode pass over the largest tree (logits for every node), or the prefill (logits for one row)
     prompt = needs.prompt_tokens or needs.context_tokens
@@ -80,12 +82,13 @@ def _plan(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: list[i
     return plan_memory(parse_budget(budget, parts.weights), parts, needs, kv, activation)
 
 
-def _check_io(io: str) -> None:
+def check_io(io: str) -> None:
     if io not in IO_MODES:
         raise InvalidArgumentError(f"offload I/O mode must be one of {', '.join(IO_MODES)}, got {io!r}")
 
 
-def _default_needs(config, needs: MemoryNeeds | None) -> MemoryNeeds:
+def default_needs(config, needs: MemoryNeeds | None) -> MemoryNeeds:
+    """``needs``, or where None the default: a KV cache for the default context (or the model's, if shorter)."""
     if needs is not None:
         return needs
     context = int(getattr(config, "max_position_embeddings", 0) or DEFAULT_CONTEXT_TOKENS)
@@ -102,8 +105,9 @@ def _set_parameters(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -
 def _start_streaming(hf_model, store: LayerStore, plan: MemoryPlan, io: str) -> LayerStreamer | None:
     if not plan.streamed:
         return None
-    return LayerStreamer(hf_model.model.layers, plan.num_layers, store, plan.resident_layers, plan.pool_slots,
-                         plan.slot_bytes, io=io, read_buffers=plan.read_buffers)
+    layouts = store_layouts(store, plan.resident_layers, plan.num_layers)
+    return LayerStreamer(hf_model.model.layers, plan.num_layers, layouts, plan.resident_layers, plan.pool_slots,
+                         plan.slot_bytes, io=io, read_buffers=plan.read_buffers, store=store)
 
 
 def build_skeleton(config, dtype: torch.dtype, attn_implementation: str = "sdpa"):
@@ -124,11 +128,11 @@ def load_under_budget(folder: str | Path, config, dtype: torch.dtype, budget: st
     """Load the checkpoint in ``folder`` under ``budget``: ``(hf_model, plan, streamer or None)``.
 
     Raises `BudgetTooSmallError` before reading any weight when the budget cannot hold the minimum."""
-    _check_io(io)
+    check_io(io)
     bound_heap()
     hf_model = build_skeleton(config, dtype, attn_implementation)
     _load_generation_config(hf_model, folder)
-    needs = _default_needs(config, needs)
+    needs = default_needs(config, needs)
     blocks = GGUFBlocks.of_checkpoint(folder, dtype)
     plan = plan_for(hf_model, budget, needs, stored_layers=_stored_estimate(hf_model, blocks))
     store = checkpoint_store(folder, hf_model, dtype, layer_store, blocks)
@@ -189,12 +193,12 @@ def offload_model(model, budget: str | int, needs: MemoryNeeds | None = None, io
                   layer_store: str | Path | None = None) -> MemoryPlan:
     """Put a `LayeredModel` already in memory under ``budget``: store its layers (once), drop the streamed layers'
     parameters and stream them from then on. Returns the plan (also ``model.memory_plan``)."""
-    _check_io(io)
+    check_io(io)
     bound_heap()
     if model.weights is not None:
         raise InvalidArgumentError("this model already runs under a memory budget; load it again to change the budget")
     hf_model = model.hf_model
-    needs = _default_needs(model.config, needs)
+    needs = default_needs(model.config, needs)
     plan = plan_for(hf_model, budget, needs)
     modules = part_modules(hf_model)
     parts = {part: sum(p.numel() * p.element_size() for p in module.parameters()) for part, (_, module) in modules.items()}

@@ -86,19 +86,30 @@ class _Slot:
         self.parameters: dict[tuple, list[torch.nn.Parameter]] = {}  # layout -> parameter views of this buffer
 
 
+def store_layouts(store: LayerStore, first: int, num_layers: int) -> dict:
+    """Where layers ``[first, num_layers)`` lie in ``store``'s files, for `LayerStreamer`."""
+    return {i: store.layout(part_name(i)) for i in range(first, num_layers)}
+
+
 class LayerStreamer:
     """Streams decoder layers ``[first, num_layers)`` (modules in ``layers``, their parameters on the meta device
-    between uses) from ``store`` through ``slots`` buffers of ``slot_bytes``. ``LayeredModel.forward_layers``
-    calls ``acquire``/``release`` around each layer; for resident layers they return at once."""
+    between uses) through ``slots`` buffers of ``slot_bytes``, from the files ``layouts`` name: per layer a
+    `PartHeader` (its tensors as they lie in a file, read as they are: a layer store's part, or a GGUF file's layer)
+    or a `DecodedPart` (a store's part holding quantised blocks that are decoded as read). A parameter of a layer that
+    its layout does not name is resident and stays. ``LayeredModel.forward_layers`` calls ``acquire``/``release``
+    around each layer; for resident layers they return at once."""
 
-    def __init__(self, layers, num_layers: int, store: LayerStore, first: int, slots: int, slot_bytes: int,
-                 io: str = "direct", read_buffers: int = 2):
+    def __init__(self, layers, num_layers: int, layouts: dict, first: int, slots: int, slot_bytes: int,
+                 io: str = "direct", read_buffers: int = 2, store: LayerStore | None = None):
         if io not in IO_MODES:
             raise InvalidArgumentError(f"offload I/O mode must be one of {', '.join(IO_MODES)}, got {io!r}")
         if not 0 <= first < num_layers or slots < 1:
             raise ValueError(f"nothing to stream: first={first}, layers={num_layers}, slots={slots}")
-        self.store, self.first, self.num_layers, self.io = store, first, num_layers, io
-        self.layouts = {i: store.layout(part_name(i)) for i in range(first, num_layers)}  # the decoded tensors
+        if set(layouts) != set(range(first, num_layers)):
+            raise ValueError(f"layouts for layers {sorted(layouts)}, streaming [{first}, {num_layers})")
+        self.first, self.num_layers, self.io = first, num_layers, io
+        self.store = store  # the layer store the layouts come from (None: a GGUF file's own layers)
+        self.layouts = dict(layouts)  # the tensors as computed on
         self.headers = {i: layout.file if isinstance(layout, DecodedPart) else layout  # the files
                         for i, layout in self.layouts.items()}
         slot_bytes = max(slot_bytes, round_up(max(layout.data_bytes for layout in self.layouts.values())))
@@ -115,12 +126,16 @@ class LayerStreamer:
         for i in range(first, num_layers):
             layer = layers[i]
             binding = []
+            entries = self.layouts[i].entries
             for name, parameter in layer.named_parameters():
+                if name not in entries:
+                    if parameter.is_meta:
+                        raise StoreError(f"layer file {self.headers[i].path} does not hold layer {i}'s {name}")
+                    continue  # resident
                 owner, _, attribute = name.rpartition(".")
                 binding.append((layer.get_submodule(owner) if owner else layer, attribute, name))
-            names = {name for _, _, name in binding}
-            if names != set(self.layouts[i].entries):
-                raise StoreError(f"layer file {self.headers[i].path} does not hold layer {i}'s parameters")
+            if len(binding) != len(entries):
+                raise StoreError(f"layer file {self.headers[i].path} holds tensors that are not layer {i}'s parameters")
             self.bindings[i] = binding
             self.placeholders[i] = [getattr(module, attribute) for module, attribute, _ in binding]
         self.counters = StreamCounters()
@@ -332,7 +347,7 @@ class LayerStreamer:
 
     def store_files(self) -> list:
         """The streamed layers' files (to ask the kernel how much of them it caches)."""
-        return [header.path for header in self.headers.values()]
+        return sorted({header.path for header in self.headers.values()})
 
     @property
     def pool_bytes(self) -> int:

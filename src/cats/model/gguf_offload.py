@@ -1,0 +1,81 @@
+"""A GGUF model on its own blocks under a memory budget: the deep layers stream from the GGUF file itself.
+
+The model is loaded as in memory (`cats.model.gguf_model`: every weight a view of the memory-mapped file, nothing
+read yet), then planned with the budget's planner (`cats.model.weights.plan_for`) on the blocks' own bytes: the
+file's tensor bytes, not a float copy's. Resident parts stay views of the mapping (read on first use, charged as the
+kernel charges a mapped file). Each streamed layer is one span of the file (llama.cpp writes a layer's tensors back
+to back): `LayerStreamer` reads that span, aligned to 4096 bytes, into one of its buffers (``O_DIRECT`` by default,
+so the page cache holds none of it) and the layer's parameters become views of the buffer for as long as the layer
+runs; between uses they are on the meta device. The kernels then compute on the blocks as read: no decode, no copy.
+Tensors of a layer that are not stored as used (Gemma's norms, which transformers shifts) are small float32 copies
+and stay resident.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from cats.model.gguf_model import FileMapping, load_gguf_model
+from cats.model.weights.budget import STORE_ALIGNMENT, MemoryNeeds, MemoryPlan
+from cats.model.weights.offload import check_io, default_needs, plan_for
+from cats.model.weights.parts import PartHeader, TensorEntry
+from cats.model.weights.rss import bound_heap
+from cats.model.weights.stream import LayerStreamer
+
+
+def layer_span(layer: torch.nn.Module, mapping: FileMapping) -> PartHeader:
+    """Where ``layer``'s parameters lie in the mapped file: one aligned span, each parameter that views the file as
+    an entry (offsets from the span's start). Parameters that are copies are left out (they stay resident)."""
+    placed = {}
+    for name, parameter in layer.named_parameters():
+        offset = mapping.offset_of(parameter)
+        if offset is not None:
+            placed[name] = (offset, parameter)
+    if not placed:
+        raise ValueError("a layer with no tensor in the file cannot stream")
+    start = min(offset for offset, _ in placed.values()) // STORE_ALIGNMENT * STORE_ALIGNMENT
+    entries = {}
+    for name, (offset, parameter) in placed.items():
+        size = parameter.numel() * parameter.element_size()
+        entries[name] = TensorEntry(parameter.dtype, tuple(parameter.shape), offset - start, offset - start + size)
+    end = max(entry.end for entry in entries.values())
+    return PartHeader(mapping.path, start, end, entries)
+
+
+def load_gguf_under_budget(gguf_path: Path, metadata: Path, budget: str | int, needs: MemoryNeeds | None = None,
+                           io: str = "direct", attn_implementation: str = "sdpa"):
+    """The GGUF file's model on its blocks under ``budget``: ``(hf_model, plan, streamer or None)``. Raises
+    `BudgetTooSmallError` (naming the minimum) before any weight is read when the budget cannot hold the minimum."""
+    check_io(io)
+    hf_model = load_gguf_model(gguf_path, metadata, attn_implementation)
+    return (hf_model, *stream_gguf_layers(hf_model, budget, needs, io))
+
+
+def stream_gguf_layers(hf_model, budget: str | int, needs: MemoryNeeds | None = None, io: str = "direct"):
+    """Plan ``hf_model`` (a GGUF model on its blocks, `cats.model.gguf_model`) under ``budget`` and stream the layers
+    the plan does not keep: ``(plan, streamer or None)``. The streamed layers' parameters go to the meta device, and
+    their pages of the file, if a forward has read them, are handed back to the kernel."""
+    check_io(io)
+    bound_heap()
+    mapping: FileMapping = hf_model.gguf_mapping
+    layers = hf_model.model.layers[: hf_model.config.num_hidden_layers]
+    spans = [layer_span(layer, mapping) for layer in layers]
+    sizes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
+    needs = default_needs(hf_model.config, needs)
+    plan: MemoryPlan = plan_for(hf_model, budget, needs,
+                                stored_layers=[max(span.data_bytes, size) for span, size in zip(spans, sizes)])
+    if not plan.streamed:
+        return plan, None
+    layouts = {i: spans[i] for i in plan.streamed}
+    for i in plan.streamed:  # nothing of a streamed layer is touched outside its turn
+        module = layers[i]
+        for name in layouts[i].entries:
+            owner, _, attribute = name.rpartition(".")
+            target = module.get_submodule(owner) if owner else module
+            target._parameters[attribute] = torch.nn.Parameter(
+                torch.empty_like(target._parameters[attribute], device="meta"), requires_grad=False)
+        mapping.release(layouts[i].data_start, layouts[i].data_bytes)
+    streamer = LayerStreamer(hf_model.model.layers, plan.num_layers, layouts, plan.resident_layers, plan.pool_slots,
+                             plan.slot_bytes, io=io, read_buffers=plan.read_buffers)
+    return plan, streamer

@@ -1,0 +1,102 @@
+"""A GGUF file on its own blocks under a memory budget: the deep layers stream from the file itself (its spans read
+into the stream buffers, computed on as read), and every method decodes what the model in memory decodes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cats
+from cats.api import prepare
+from cats.config import GenerationConfig
+from cats.draft import PromptLookupDrafter, TreeDrafter
+from cats.errors import InvalidArgumentError
+from cats.loop.generator import Generator
+from cats.model.kernels import avx512, quantized
+from cats.model.kernels.gguf_modules import GGUFLinear
+from cats.model.weights import BudgetTooSmallError, MemoryNeeds
+from cats.prompts import encode_prompt
+from tests.conftest import SMOLLM2, STORIES_GGUF, needs
+
+pytestmark = pytest.mark.skipif(quantized.unavailable() is not None, reason=f"kernels: {quantized.unavailable()}")
+SMOLLM2_FILE = SMOLLM2 / "SmolLM2-135M-Instruct.Q4_1.gguf"
+NEEDS = dict(context_tokens=256, min_resident_layers=9)  # the tree drafts from layer 8
+
+
+def layer_bytes(layer: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in layer.parameters())
+
+
+@pytest.fixture(scope="module")
+def in_memory():
+    return cats.load_model(SMOLLM2)
+
+
+@needs(SMOLLM2)
+@pytest.mark.parametrize("io", ["direct", "buffered"])
+def test_streamed_blocks_decode_as_in_memory(in_memory, io):
+    if avx512.unavailable(torch.float32) is not None:
+        pytest.skip(f"AVX-512 attention kernel: {avx512.unavailable(torch.float32)}")
+    model = cats.load_model(SMOLLM2, memory_budget="100MiB", memory_needs=MemoryNeeds(**NEEDS), offload_io=io)
+    plan, streamer = model.memory_plan, model.weights
+    assert model.kernel_path == in_memory.kernel_path and model.weight_format == in_memory.weight_format
+    assert plan.resident_layers >= 9 and len(plan.streamed) > 0 and plan.coded_layers == 0  # nothing to decode
+    assert streamer.store is None and streamer.store_files() == [SMOLLM2_FILE.resolve()]
+    for i in plan.streamed:  # meta between uses; each layer one span of the file, its own bytes (aligned)
+        assert all(p.is_meta for p in model.layers[i].parameters())
+        span = streamer.layouts[i]
+        assert span.data_start % 4096 == 0
+        assert layer_bytes(in_memory.layers[i]) <= span.data_bytes <= layer_bytes(in_memory.layers[i]) + 4096
+    for text in ("List three uses of a paperclip.", "Write a haiku about the sea."):
+        prompt = encode_prompt(in_memory, text, chat=True)
+        config = GenerationConfig(max_new_tokens=24)
+        plain = Generator(in_memory).generate(prompt, config).token_ids
+        before = streamer.snapshot()
+        assert Generator(model).generate(prompt, config).token_ids == plain
+        read = streamer.snapshot().minus(before)
+        assert read.acquires == len(plan.streamed) * 24  # the prefill and 23 decode passes, each over every one
+        assert read.layers_read >= read.acquires - plan.pool_slots  # each read, not held over from the last pass
+        for drafter in (PromptLookupDrafter(num_tokens=6),
+                        TreeDrafter(model, layer=8, tree_topk=3, total_tokens=9, depth=3)):
+            assert Generator(model, drafter).generate(prompt, config).token_ids == plain, type(drafter).__name__
+    model.close()
+
+
+@needs(SMOLLM2)
+def test_a_model_in_memory_streams_from_its_file_in_place(in_memory):
+    model = cats.load_model(SMOLLM2)
+    prompt = encode_prompt(model, "Name three colours of the rainbow.", chat=True)
+    plain = Generator(in_memory).generate(prompt, GenerationConfig(max_new_tokens=16)).token_ids
+    memory = cats.MemoryConfig(budget="100MiB")
+    with pytest.raises(InvalidArgumentError, match="no layer store"):
+        prepare(model, "ar", None, cats.MemoryConfig(budget="100MiB", layer_store="/tmp/nowhere"),
+                     context_tokens=256)
+    prepare(model, "ar", None, memory, context_tokens=256)
+    assert model.memory_plan.streamed and model.weights.store is None
+    assert Generator(model).generate(prompt, GenerationConfig(max_new_tokens=16)).token_ids == plain
+    model.close()
+
+
+@needs(SMOLLM2)
+def test_a_budget_below_the_minimum_names_it_before_reading():
+    with pytest.raises(BudgetTooSmallError, match="minimum of"):
+        cats.load_model(SMOLLM2, memory_budget="20MiB", memory_needs=MemoryNeeds(context_tokens=256))
+    with pytest.raises(InvalidArgumentError, match="no layer store"):
+        cats.load_model(SMOLLM2, memory_budget="100MiB", layer_store="/tmp/nowhere")
+
+
+@needs(STORIES_GGUF)
+def test_llama_rows_in_the_files_order_stream_too():
+    """stories260K's q and k rows are in llama.cpp's order in the file: streamed as stored, outputs reordered."""
+    with pytest.warns(UserWarning, match="tokenizer"):
+        resident = cats.load_model(STORIES_GGUF)
+    with pytest.warns(UserWarning, match="tokenizer"):
+        model = cats.load_model(STORIES_GGUF, memory_budget="1.6MiB", memory_needs=MemoryNeeds(context_tokens=64))
+    assert model.memory_plan.streamed
+    reordered = [m for m in model.layers[model.memory_plan.resident_layers].modules()
+                 if isinstance(m, GGUFLinear) and m.order is not None]
+    assert len(reordered) == 2  # q and k
+    ids = torch.arange(1, 40)
+    with torch.no_grad():
+        assert torch.equal(model.forward(ids, model.new_cache()), resident.forward(ids, resident.new_cache()))
+    model.close()
