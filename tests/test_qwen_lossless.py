@@ -62,16 +62,16 @@ def drafter_for(model, method):
     if method == "recycle":
         return TokenRecyclingDrafter(model.vocab_size, total_tokens=8), None
     if method == "eagle":
-        feature = new_adapter(model, "draft", model.num_layers, input="features", vocab_subset=vocab)
+        feature = new_adapter(model, "draft", model.num_layers, input="features", vocab_subset=vocab).eval()
         return FeatureDrafter(model, feature, tree_topk=3, total_tokens=8, depth=3), None
-    draft = new_adapter(model, "draft", 4, vocab_subset=vocab)
+    draft = new_adapter(model, "draft", 4, vocab_subset=vocab).eval()  # drafting, not training
     if method == "early-exit":
         return EarlyExitDrafter(model, num_tokens=4, adapter=draft, threshold=0.3), None
     tree = TreeDrafter(model, adapter=draft, tree_topk=3, total_tokens=8, depth=3)
     if method == "tree":
         return tree, None
     if method == "cats":
-        return tree, CascadeScorer(model, new_adapter(model, "shallow", 14), drafter=tree, sv_threshold=0.05)
+        return tree, CascadeScorer(model, new_adapter(model, "shallow", 14).eval(), drafter=tree, sv_threshold=0.05)
     skip = LayerSkipDrafter(model, SKIP, num_tokens=4, assist=PromptLookupDrafter(6))
     options = [DraftOption("ls<pld", skip, 4, 0.6, 0.7), DraftOption("draft-tree", tree, 8, 0.6, 0.2, tree=True),
                DraftOption("recycle", TokenRecyclingDrafter(model.vocab_size, total_tokens=8), 8, 0.6, 0.01, tree=True,

@@ -249,7 +249,10 @@ class Adapter(nn.Module):
         lm_head = self.target.hf_model.lm_head  # (its weight read only where needed: on GGUF blocks it is made)
         if self.vocab_ids is None:  # the lm_head module itself: its packed copy when the target packs (one copy)
             return lm_head(normed) if not self.training else nn.functional.linear(normed, lm_head.weight)
-        if self.training:  # gathered per call while training
+        if self.training:  # gathered per call while training (a head on GGUF blocks dequantises just those rows)
+            rows = getattr(lm_head, "dequantized", None)
+            if rows is not None:
+                return nn.functional.linear(normed, rows(self.vocab_ids.cpu()).to(normed.device, normed.dtype))
             weight = lm_head.weight
             return nn.functional.linear(normed, weight.index_select(0, self.vocab_ids.to(weight.device)))
         if self._head_rows is None or self._head_rows.dtype != normed.dtype:
