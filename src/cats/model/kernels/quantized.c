@@ -367,24 +367,21 @@ TOKENS_32(4)
 TOKENS_32(8)
 
 
+/* Rows n0 .. n1 - 1 against every token: a tile of tokens at a time (its quantised rows stay in L1), against each
+ * of the rows in turn (the chunk's rows stay in L1 or L2 from one tile to the next). */
 static void rows_blocks(int type, int block, const uint8_t* W, long row_bytes, long n0, long n1, const acts* X,
                         long M, long K, const float* bias, float* Y, long N, float* offsets) {
   long blocks = K / block;
-  for (long n = n0; n < n1; n++) {
-    const uint8_t* row = W + n * row_bytes;
-    for (long m0 = 0; m0 < M;) {
-      long left = M - m0, T;
+  for (long m0 = 0; m0 < M;) {
+    long left = M - m0, T = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    for (long n = n0; n < n1; n++) {
+      const uint8_t* row = W + n * row_bytes;
       float out[8];
-      if (block == 256) {
-        T = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-        BY_TILE(tokens_k, T, type, row, blocks, X + m0, offsets, out);
-      } else {
-        T = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-        BY_TILE(tokens_32_, T, type, row, blocks, X + m0, offsets, out);
-      }
+      if (block == 256) BY_TILE(tokens_k, T, type, row, blocks, X + m0, offsets, out);
+      else BY_TILE(tokens_32_, T, type, row, blocks, X + m0, offsets, out);
       for (long t = 0; t < T; t++) Y[(m0 + t) * N + n] = bias ? out[t] + bias[n] : out[t];
-      m0 += T;
     }
+    m0 += T;
   }
 }
 
