@@ -16,7 +16,7 @@ from cats.bench.catalog import make_method
 from cats.bench.methods import BenchContext, MethodSettings, MethodUnavailableError
 from cats.bench.report import render_report
 from cats.bench.summary import offload_totals, summarize, within_budget
-from tests.conftest import tiny_config
+from tests.conftest import SMOLLM2, needs, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 STORIES = ROOT.parent / "shared" / "data" / "stories260k-gguf" / "hf"
@@ -109,7 +109,7 @@ def test_worker_answers_under_the_budget(tmp_path):
 
     folder = eight_layer_model(tmp_path / "model", with_tokenizer=True)
     question = read_questions(SPEC_BENCH)[0]
-    job = {"model": str(folder), "method": "ar", "dtype": "float32", "threads": 1, "settings": {},
+    job = {"model": str(folder), "method": "ar", "dtype": "float32", "kernels": "auto", "threads": 1, "settings": {},
            "memory_budget": "150%", "prefetch": 2, "offload_io": "direct", "context_tokens": 112,
            "questions": [{"question_id": question.question_id, "category": question.category,
                           "turns": list(question.turns)}],
@@ -155,3 +155,25 @@ def test_budgeted_bench_runs_every_method_in_its_own_process(tmp_path):
     assert summary["methods"]["hf-offload"]["settings"]["modules_placed"].get("disk")
     assert not list(out.glob("*.partial")) and (out / "ar.jsonl").is_file()
     assert "## Memory and streaming" in (out / "report.md").read_text()
+
+
+@pytest.mark.slow  # three processes loading torch: ~40 s
+@needs(SMOLLM2)
+def test_a_budgeted_bench_streams_a_gguf_from_the_file_on_its_blocks(tmp_path):
+    """A .gguf on its blocks under --memory-budget: no layer store is made; each worker streams from the file."""
+    out = tmp_path / "bench"
+    command = [sys.executable, "-m", "cats.cli", "bench", "--model", str(SMOLLM2), "--questions", str(SPEC_BENCH),
+               "--limit", "1", "--max-new-tokens", "6", "--threads", "1", "--warmup", "0", "--no-progress",
+               "--methods", "ar,pld", "--memory-budget", "90MiB", "--out", str(out)]
+    environment = {**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["methods"]) == {"ar", "pld"}
+    for name, method in summary["methods"].items():
+        assert method["exact_match"] == 1.0 and method["settings"]["weights"].startswith("GGUF"), name
+        assert "gguf-blocks" in method["settings"]["weights"], name
+        plan = method["memory"]["plan"]
+        assert plan["streamed_layers"][0] < 30 and plan["coded_layers"] == 0, name
+        assert method["offload"]["acquires"] > 0, name
+    assert not (tmp_path / "cache" / "layers").exists()  # no layer store

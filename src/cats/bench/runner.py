@@ -57,8 +57,10 @@ from cats.bench.report import render_report
 from cats.bench.summary import summarize
 from cats.errors import InvalidArgumentError
 from cats.model import load_model
+from cats.model.gguf_model import tensor_index
+from cats.model.load import runnable_gguf
 from cats.model.kernels.packing import check_packing
-from cats.model.source import load_tokenizer, local_folder, resolve_dtype
+from cats.model.source import gguf_metadata, load_tokenizer, local_folder, resolve_dtype
 from cats.model.weights.budget import MIB, PartSizes, parse_budget
 from cats.model.weights.offload import build_skeleton, checkpoint_store
 from cats.model.weights.rss import evict_page_cache
@@ -302,14 +304,20 @@ def run_in_workers(config: BenchConfig, questions: list[Question], out: Path, mo
 
     tokenizer = load_tokenizer(config.model)
     check_prompt_format(SimpleNamespace(tokenizer=tokenizer, name=config.model), config.prompt_format)
-    folder = local_folder(config.model)
     dtype = resolve_dtype(config.dtype)
-    skeleton = build_skeleton(AutoConfig.from_pretrained(folder), dtype)
-    budget = parse_budget(config.memory_budget, PartSizes.of(skeleton).weights)
-    store = checkpoint_store(folder, skeleton, dtype)
-    del skeleton
+    gguf = runnable_gguf(config.model, config.kernels, float_settings=dtype != torch.float32 or config.pack_weights)
+    if gguf is not None:  # on its blocks: the workers stream from the file itself, no layer store
+        tensors = tensor_index(gguf_metadata(gguf))["tensors"].values()
+        budget = parse_budget(config.memory_budget, sum(entry["bytes"] for entry in tensors))
+        weight_files = [gguf]
+    else:
+        folder = local_folder(config.model)
+        skeleton = build_skeleton(AutoConfig.from_pretrained(folder), dtype)
+        budget = parse_budget(config.memory_budget, PartSizes.of(skeleton).weights)
+        store = checkpoint_store(folder, skeleton, dtype)
+        del skeleton
+        weight_files = sorted(Path(folder).glob("*.safetensors")) + sorted(store.folder.glob("*.safetensors"))
     context, prompt = context_tokens(tokenizer, questions, config)
-    weight_files = sorted(Path(folder).glob("*.safetensors")) + sorted(store.folder.glob("*.safetensors"))
     answers, peaks, settings, skipped, acceptance, measured = {}, {}, {}, {}, {}, {}
     jobs = Path(tempfile.mkdtemp(prefix=".cats-bench-jobs-", dir=out))
     try:
@@ -318,8 +326,9 @@ def run_in_workers(config: BenchConfig, questions: list[Question], out: Path, mo
                 skipped[name] = UNBUDGETED.format(name=name)
                 continue
             job = {
-                "model": config.model, "method": name, "dtype": config.dtype, "threads": config.settings.threads,
-                "settings": asdict(config.settings), "memory_budget": config.memory_budget,
+                "model": config.model, "method": name, "dtype": config.dtype, "kernels": config.kernels,
+                "threads": config.settings.threads, "settings": asdict(config.settings),
+                "memory_budget": config.memory_budget,
                 "prefetch": config.prefetch, "offload_io": config.offload_io, "context_tokens": context,
                 "prompt_tokens": prompt,
                 "questions": [{"question_id": q.question_id, "category": q.category, "turns": list(q.turns)}

@@ -54,7 +54,7 @@ def run_job(job: dict) -> dict:
             drafting = DraftConfig(adapters=settings.adapters, draft_layer=settings.draft_layer,
                                    num_draft_tokens=settings.num_draft_tokens, total_tokens=settings.total_tokens)
             memory = MemoryConfig(budget=job["memory_budget"], offload_io=job["offload_io"], prefetch=job["prefetch"])
-            model = prepare(source, name, drafting, memory, KernelConfig(dtype=job["dtype"]),
+            model = prepare(source, name, drafting, memory, KernelConfig(dtype=job["dtype"], kernels=job["kernels"]),
                             context_tokens=job["context_tokens"], prompt_tokens=job.get("prompt_tokens"))
             tokenizer = model.tokenizer  # one tokenizer in the process, as in the runtime baseline
             if job.get("progress") and model.memory_plan is not None:

@@ -86,7 +86,7 @@ def load_model(
         check_packing(torch_dtype, memory_budget)
     if memory_budget is not None and device != "cpu":
         raise InvalidArgumentError(f"a memory budget streams layers into CPU memory; device {device!r} is not supported")
-    gguf = _runnable_gguf(model, kernels, float_settings=torch_dtype != torch.float32 or pack_weights)
+    gguf = runnable_gguf(model, kernels, float_settings=torch_dtype != torch.float32 or pack_weights)
     if gguf is not None:
         metadata = gguf_metadata(gguf)
         if tokenizer is None:
@@ -127,7 +127,7 @@ def load_model(
     return layered
 
 
-def _runnable_gguf(model, kernels: str, float_settings: bool):
+def runnable_gguf(model, kernels: str, float_settings: bool):
     """The GGUF file to run on its blocks (``kernels`` ``auto`` and the kernels take it), else None, with a notice
     where the float path runs it instead: the kernels cannot, or ``float_settings`` (a dtype other than float32, or
     packed weights: settings of float weights)."""
