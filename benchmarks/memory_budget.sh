@@ -5,7 +5,8 @@
 #
 # Usage: benchmarks/memory_budget.sh [OUT_DIR] [extra cats bench arguments]
 #   BUDGETS (default "100% 75% 50% 30%"), METHODS (default ar,tree,cats,hf-offload), DTYPE (default float32),
-#   ADAPTERS (default adapters/smollm2-135m-instruct), LIMIT (default 4 questions), TOKENS (default 64).
+#   KERNELS (default aten: the float path, streamed from a layer store; auto: the GGUF on its own blocks, streamed
+#   from the file), ADAPTERS (default adapters/smollm2-135m-instruct), LIMIT (default 4 questions), TOKENS (default 64).
 # Keep the machine otherwise idle while it runs: streamed reads and compute both need it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,12 +18,13 @@ shift || true
 BUDGETS=${BUDGETS:-"100% 75% 50% 30%"}
 METHODS=${METHODS:-ar,tree,cats,hf-offload}
 DTYPE=${DTYPE:-float32}
+KERNELS=${KERNELS:-aten}
 ADAPTERS=${ADAPTERS:-adapters/smollm2-135m-instruct}
 
 runs=()
 for budget in $BUDGETS; do
     run="$OUT/budget-${budget%\%}"
-    cats bench --model "$MODEL" --dtype "$DTYPE" --threads 2 --max-new-tokens "${TOKENS:-64}" \
+    cats bench --model "$MODEL" --dtype "$DTYPE" --kernels "$KERNELS" --threads 2 --max-new-tokens "${TOKENS:-64}" \
         --limit "${LIMIT:-4}" --methods "$METHODS" --adapters "$ADAPTERS" --memory-budget "$budget" \
         --questions "$DATA/mt_bench/question.jsonl" --out "$run" "$@" || true  # a budget below a minimum: skipped
     runs+=("$run")
