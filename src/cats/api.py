@@ -83,7 +83,8 @@ def prepare(model: str | os.PathLike | LayeredModel, method: str, drafting: Draf
         if memory.layer_store is not None:
             raise InvalidArgumentError("a GGUF model on its blocks streams its layers from the file itself and keeps "
                                        "no layer store; drop the layer store, or load it with --kernels aten")
-        model.attach_weights(*reversed(stream_gguf_layers(model.hf_model, memory.budget, needs, memory.offload_io)))
+        plan, streamer = stream_gguf_layers(model.hf_model, memory.budget, needs, memory.offload_io)
+        model.attach_weights(streamer, plan)
         return model
     offload_model(model, memory.budget, needs, memory.offload_io, memory.layer_store)
     return model

@@ -47,7 +47,6 @@ def load_gguf_under_budget(gguf_path: Path, metadata: Path, budget: str | int, n
                            io: str = "direct", attn_implementation: str = "sdpa"):
     """The GGUF file's model on its blocks under ``budget``: ``(hf_model, plan, streamer or None)``. Raises
     `BudgetTooSmallError` (naming the minimum) before any weight is read when the budget cannot hold the minimum."""
-    check_io(io)
     hf_model = load_gguf_model(gguf_path, metadata, attn_implementation)
     return (hf_model, *stream_gguf_layers(hf_model, budget, needs, io))
 
