@@ -80,10 +80,8 @@ def prepare(model: str | os.PathLike | LayeredModel, method: str, drafting: Draf
             raise InvalidArgumentError("this model already runs under another memory budget; load it again to change it")
         return model
     if getattr(model.hf_model, "gguf_mapping", None) is not None:  # on a GGUF file's blocks: streamed from the file
-        if memory.layer_store is not None:
-            raise InvalidArgumentError("a GGUF model on its blocks streams its layers from the file itself and keeps "
-                                       "no layer store; drop the layer store, or load it with --kernels aten")
-        plan, streamer = stream_gguf_layers(model.hf_model, memory.budget, needs, memory.offload_io)
+        plan, streamer = stream_gguf_layers(model.hf_model, memory.budget, needs, memory.offload_io,
+                                            memory.layer_store)
         model.attach_weights(streamer, plan)
         return model
     offload_model(model, memory.budget, needs, memory.offload_io, memory.layer_store)

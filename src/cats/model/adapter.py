@@ -249,21 +249,21 @@ class Adapter(nn.Module):
         lm_head = self.target.hf_model.lm_head  # (its weight read only where needed: on GGUF blocks it is made)
         if self.vocab_ids is None:  # the lm_head module itself: its packed copy when the target packs (one copy)
             return lm_head(normed) if not self.training else nn.functional.linear(normed, lm_head.weight)
-        if self.training:  # gathered per call while training (a head on GGUF blocks dequantises just those rows)
-            rows = getattr(lm_head, "dequantized", None)
-            if rows is not None:
-                return nn.functional.linear(normed, rows(self.vocab_ids.cpu()).to(normed.device, normed.dtype))
-            weight = lm_head.weight
-            return nn.functional.linear(normed, weight.index_select(0, self.vocab_ids.to(weight.device)))
+        if self.training:  # gathered per call while training
+            return nn.functional.linear(normed, self._vocabulary_rows(lm_head))
         if self._head_rows is None or self._head_rows.dtype != normed.dtype:
-            # gathered once for decoding: |V_d| rows, the memory price of the reduced vocabulary (a head on GGUF
-            # blocks dequantises just those rows)
-            rows = getattr(lm_head, "dequantized", None)
-            self._head_rows = (rows(self.vocab_ids) if rows is not None
-                               else lm_head.weight.index_select(0, self.vocab_ids.to(lm_head.weight.device)))
+            # gathered once for decoding: |V_d| rows, the memory price of the reduced vocabulary
+            self._head_rows = self._vocabulary_rows(lm_head)
         if self.target.packed:
             return packed_linear(normed, self._head_rows)
         return nn.functional.linear(normed, self._head_rows)
+
+    def _vocabulary_rows(self, lm_head: nn.Module) -> torch.Tensor:
+        """The lm_head's rows of the adapter's vocabulary (a head on GGUF blocks dequantises just those rows)."""
+        rows = getattr(lm_head, "dequantized", None)
+        if rows is not None:
+            return rows(self.vocab_ids.cpu())
+        return lm_head.weight.index_select(0, self.vocab_ids.to(lm_head.weight.device))
 
     def full_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Logits over the target's whole vocabulary ``[..., V]`` (-inf outside a reduced vocabulary: q = 0 there)."""

@@ -132,8 +132,6 @@ def _row_order(processor: TensorProcessor, gguf_name: str, rows: int) -> np.ndar
     return None if np.array_equal(order, np.arange(rows)) else order
 
 
-
-
 def _embedding_scale(module: nn.Embedding) -> float | None:
     """The factor a scaled embedding (Gemma3's) multiplies its rows by, else None."""
     scale = getattr(module, "embed_scale", None)

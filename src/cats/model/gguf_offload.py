@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
+from cats.errors import InvalidArgumentError
 from cats.model.gguf_model import FileMapping, load_gguf_model
 from cats.model.weights.budget import STORE_ALIGNMENT, MemoryNeeds, MemoryPlan
-from cats.model.weights.offload import check_io, default_needs, plan_for
+from cats.model.weights.offload import check_io, default_needs, plan_for, set_parameters
 from cats.model.weights.parts import PartHeader, TensorEntry
 from cats.model.weights.rss import bound_heap
 from cats.model.weights.stream import LayerStreamer
@@ -44,17 +45,23 @@ def layer_span(layer: torch.nn.Module, mapping: FileMapping) -> PartHeader:
 
 
 def load_gguf_under_budget(gguf_path: Path, metadata: Path, budget: str | int, needs: MemoryNeeds | None = None,
-                           io: str = "direct", attn_implementation: str = "sdpa"):
+                           io: str = "direct", attn_implementation: str = "sdpa", layer_store=None):
     """The GGUF file's model on its blocks under ``budget``: ``(hf_model, plan, streamer or None)``. Raises
     `BudgetTooSmallError` (naming the minimum) before any weight is read when the budget cannot hold the minimum."""
     hf_model = load_gguf_model(gguf_path, metadata, attn_implementation)
-    return (hf_model, *stream_gguf_layers(hf_model, budget, needs, io))
+    return (hf_model, *stream_gguf_layers(hf_model, budget, needs, io, layer_store))
 
 
-def stream_gguf_layers(hf_model, budget: str | int, needs: MemoryNeeds | None = None, io: str = "direct"):
+def stream_gguf_layers(hf_model, budget: str | int, needs: MemoryNeeds | None = None, io: str = "direct",
+                       layer_store=None):
     """Plan ``hf_model`` (a GGUF model on its blocks, `cats.model.gguf_model`) under ``budget`` and stream the layers
     the plan does not keep: ``(plan, streamer or None)``. The streamed layers' parameters go to the meta device, and
-    their pages of the file, if a forward has read them, are handed back to the kernel."""
+    their pages of the file, if a forward has read them, are handed back to the kernel. ``layer_store`` is refused:
+    there is none (it is the float path's)."""
+    if layer_store is not None:
+        raise InvalidArgumentError("a GGUF model on its blocks streams its layers from the file itself and keeps no "
+                                   "layer store; drop the layer store, or load it with --kernels aten to stream "
+                                   "dequantised layers from one")
     check_io(io)
     bound_heap()
     mapping: FileMapping = hf_model.gguf_mapping
@@ -68,12 +75,9 @@ def stream_gguf_layers(hf_model, budget: str | int, needs: MemoryNeeds | None = 
         return plan, None
     layouts = {i: spans[i] for i in plan.streamed}
     for i in plan.streamed:  # nothing of a streamed layer is touched outside its turn
-        module = layers[i]
-        for name in layouts[i].entries:
-            owner, _, attribute = name.rpartition(".")
-            target = module.get_submodule(owner) if owner else module
-            target._parameters[attribute] = torch.nn.Parameter(
-                torch.empty_like(target._parameters[attribute], device="meta"), requires_grad=False)
+        parameters = dict(layers[i].named_parameters())
+        set_parameters(layers[i], {name: torch.empty_like(parameters[name], device="meta")
+                                   for name in layouts[i].entries})
         mapping.release(layouts[i].data_start, layouts[i].data_bytes)
     streamer = LayerStreamer(hf_model.model.layers, plan.num_layers, layouts, plan.resident_layers, plan.pool_slots,
                              plan.slot_bytes, io=io, read_buffers=plan.read_buffers)

@@ -95,12 +95,8 @@ def load_model(
         if memory_budget is None:
             hf_model = load_gguf_model(gguf, metadata, attn_implementation)
         else:
-            if layer_store is not None:
-                raise InvalidArgumentError("a GGUF file on its blocks streams its layers from the file itself and "
-                                           "keeps no layer store; drop the layer store, or pass kernels='aten' "
-                                           "(--kernels aten) to stream dequantised layers from one")
             hf_model, plan, weights = load_gguf_under_budget(gguf, metadata, memory_budget, memory_needs, offload_io,
-                                                             attn_implementation)
+                                                             attn_implementation, layer_store)
         layered = LayeredModel(hf_model, tokenizer, name=str(model))
         layered.attach_weights(weights, plan)
         return layered

@@ -113,8 +113,9 @@ def fused_gguf_linear(hidden: torch.Tensor, modules) -> torch.Tensor | None:
     if not all(isinstance(module, GGUFLinear) and module.columns == first.columns for module in modules):
         return None
     group = GROUPS.get(first)
-    key = [(id(m), m.blocks.data_ptr(), None if m.bias is None else m.bias.data_ptr())  # (a streamed layer's
-           for m in modules]  # parameters are views of whichever buffer holds it)
+    # a streamed layer's parameters are views of whichever buffer holds it, all at fixed offsets in it: where its
+    # first rows are tells where all of them are
+    key = ([id(m) for m in modules], first.blocks.data_ptr())
     if group is None or group[0] != key:
         group = (key, quantized.Group([(m.blocks, m.type_code, m.bias) for m in modules], first.columns),
                  _joined_order(modules))

@@ -95,7 +95,8 @@ def default_needs(config, needs: MemoryNeeds | None) -> MemoryNeeds:
     return MemoryNeeds(context_tokens=min(DEFAULT_CONTEXT_TOKENS, context))
 
 
-def _set_parameters(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+def set_parameters(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Replace ``module``'s parameters named in ``tensors`` (dotted names below it) by those tensors, frozen."""
     for name, tensor in tensors.items():
         owner, _, attribute = name.rpartition(".")
         target = module.get_submodule(owner) if owner else module
@@ -143,7 +144,7 @@ def load_under_budget(folder: str | Path, config, dtype: torch.dtype, budget: st
     resident = ["embed", "norm", *(["lm_head"] if "lm_head" in modules else []),
                 *(f"layer-{i:03d}" for i in range(plan.resident_layers))]
     for part in resident:
-        _set_parameters(modules[part][1], store.read(part))
+        set_parameters(modules[part][1], store.read(part))
     if "lm_head" not in modules:
         hf_model.lm_head._parameters["weight"] = hf_model.model.embed_tokens.weight
     return hf_model, plan, _start_streaming(hf_model, store, plan, io)
@@ -206,7 +207,7 @@ def offload_model(model, budget: str | int, needs: MemoryNeeds | None = None, io
                          parts, write_from_model(hf_model))
     for layer in plan.streamed:
         module = model.layers[layer]
-        _set_parameters(module, {name: torch.empty_like(p, device="meta") for name, p in module.named_parameters()})
+        set_parameters(module, {name: torch.empty_like(p, device="meta") for name, p in module.named_parameters()})
     model.attach_weights(_start_streaming(hf_model, store, plan, io), plan)
     return plan
 
