@@ -1,4 +1,5 @@
-"""The contract on a real model: SmolLM2-135M-Instruct (float32) on 20 MT-Bench first turns x 64 new tokens,
+"""The contract on a real model: SmolLM2-135M-Instruct (float32) on MT-Bench first turns x 64 new tokens (the first
+4 questions in the default run, 20 in the slow run, `-m slow`),
 `pld` and `early-exit` (trained draft adapter, chain) produce exactly transformers' greedy tokens; in the slow run
 (`-m slow`, which CI's 15-minute default suite cannot afford: `cats` alone takes ~4 min) also `cats` (trained
 adapters, tree + cascade with a redraft pass), `tree`, `eagle` (trained feature
@@ -33,11 +34,21 @@ from cats.prompts import encode_prompt
 from tests.conftest import MT_BENCH, REPO_ROOT, SMOLLM2, hf_greedy, needs
 
 pytestmark = [needs(SMOLLM2), needs(MT_BENCH)]
-NUM_QUESTIONS, NEW_TOKENS, NEAR_TIE = 20, 64, 1e-4
+DEFAULT_QUESTIONS, SLOW_QUESTIONS, NEW_TOKENS, NEAR_TIE = 4, 20, 64, 1e-4
 TRAINED = REPO_ROOT / "adapters" / "smollm2-135m-instruct"
 # 24 of SmolLM2's 60 sublayers (sparsity 0.4), as `cats calibrate` chose them on a ShareGPT sample; losslessness
 # must not depend on the skip set, and a fixed one keeps the test free of calibration
 SKIP_04 = SkipSet(attention=(2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 17, 25, 26), mlp=(2, 3, 4, 13, 14, 18, 23, 25, 26))
+
+
+def question_count(config) -> int:
+    """4 MT-Bench questions in the default run (CI's 15 minutes), 20 when slow tests are selected."""
+    selected = (config.getoption("markexpr") or "").replace("not slow", "")  # the default is -m 'not slow'
+    return SLOW_QUESTIONS if "slow" in selected else DEFAULT_QUESTIONS
+
+
+def mt_bench_questions(config) -> list[dict]:
+    return [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()][:question_count(config)]
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +57,8 @@ def smollm2():
 
 
 @pytest.fixture(scope="module")
-def references(smollm2):
-    questions = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()][:NUM_QUESTIONS]
+def references(smollm2, request):
+    questions = mt_bench_questions(request.config)
     cases = []
     for question in questions:
         prompt = encode_prompt(smollm2, question["turns"][0], chat=True)
@@ -162,9 +173,9 @@ def exact_model(request):
 
 
 @pytest.fixture(scope="module")
-def exact_references(exact_model):
+def exact_references(exact_model, request):
     model = exact_model
-    questions = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()][:NUM_QUESTIONS]
+    questions = mt_bench_questions(request.config)
     plain = Generator(model)
     cases = []
     for question in questions:
