@@ -130,29 +130,32 @@ def test_worker_answers_under_the_budget(tmp_path):
 @pytest.mark.slow  # five fresh processes (each imports torch and transformers)
 @pytest.mark.skipif(not STORIES.is_dir() or not SPEC_BENCH.is_file(), reason="../shared/data is not available")
 def test_budgeted_bench_runs_every_method_in_its_own_process(tmp_path):
+    """The budget is each process's memory: the runtime each worker measured before loading weights is in its plan.
+    (Whether layers stream is the planner's business, tested on its own: this model's 2 MB would drown in the
+    runtime's noise.)"""
     folder = eight_layer_model(tmp_path / "model", with_tokenizer=True)
     out = tmp_path / "bench"
     command = [sys.executable, "-m", "cats.cli", "bench", "--model", str(folder), "--questions", str(SPEC_BENCH),
                "--limit", "1", "--max-new-tokens", "8", "--prompt-format", "raw", "--threads", "1", "--warmup", "0",
                "--no-progress", "--methods", "ar,early-exit,hf-offload,hf-ar", "--draft-layer", "1",
-               "-k", "3", "--memory-budget", "110%", "--out", str(out)]
+               "-k", "3", "--memory-budget", "110%+2GiB", "--out", str(out)]
     environment = {**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     weights = 8 * 61568 * 4 + 2 * 512 * 64 * 4 + 64 * 4
-    assert summary["memory_budget"] == "110%" and summary["memory_budget_mb"] == round(1.1 * weights / 2**20, 1)
+    assert summary["memory_budget"] == "110%+2GiB"
+    assert summary["memory_budget_mb"] == round((int(1.1 * weights) + (2 << 30)) / 2**20, 1)
     assert summary["runtime_baseline_mb"] > 50 and "own process" in summary["peak_rss_method"]
     assert set(summary["methods"]) == {"ar", "early-exit", "hf-offload"} and "hf-ar" in summary["skipped"]
     for name, method in summary["methods"].items():
         assert method["exact_match"] == 1.0, name
         assert method["peak_rss_mb"] > summary["runtime_baseline_mb"] * 0.5, name
         assert isinstance(method["within_budget"], bool) and "memory" in method, name
-    ar = summary["methods"]["ar"]
-    assert ar["memory"]["plan"]["streamed_layers"][0] < 8  # deep layers streamed
-    assert ar["offload"]["layers_read"] >= ar["offload"]["acquires"] > 0
-    assert ar["memory"]["page_cache_mb"] == 0.0
-    assert summary["methods"]["hf-offload"]["settings"]["modules_placed"].get("disk")
+    for name in ("ar", "early-exit"):
+        parts = summary["methods"][name]["memory"]["plan"]["parts_mb"]
+        assert parts["runtime (measured before loading weights)"] > 50, name
+    assert summary["methods"]["hf-offload"]["settings"]["max_memory_cpu_mb"] < 2048
     assert not list(out.glob("*.partial")) and (out / "ar.jsonl").is_file()
     assert "## Memory and streaming" in (out / "report.md").read_text()
 
@@ -160,11 +163,12 @@ def test_budgeted_bench_runs_every_method_in_its_own_process(tmp_path):
 @pytest.mark.slow  # three processes loading torch: ~40 s
 @needs(SMOLLM2)
 def test_a_budgeted_bench_streams_a_gguf_from_the_file_on_its_blocks(tmp_path):
-    """A .gguf on its blocks under --memory-budget: no layer store is made; each worker streams from the file."""
+    """A .gguf on its blocks under --memory-budget (the process's: ~390 MiB of runtime, then 60 % of the file's
+    92 MiB): no layer store is made; each worker streams from the file."""
     out = tmp_path / "bench"
     command = [sys.executable, "-m", "cats.cli", "bench", "--model", str(SMOLLM2), "--questions", str(SPEC_BENCH),
                "--limit", "1", "--max-new-tokens", "6", "--threads", "1", "--warmup", "0", "--no-progress",
-               "--methods", "ar,pld", "--memory-budget", "90MiB", "--out", str(out)]
+               "--methods", "ar,pld", "--memory-budget", "60%+400MiB", "--out", str(out)]
     environment = {**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment)
     assert done.returncode == 0, done.stderr[-3000:]

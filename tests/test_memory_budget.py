@@ -26,7 +26,9 @@ def test_parse_budget():
     assert parse_budget("50%", 1000) == 500
     assert parse_budget("12.5%", 800) == 100
     assert parse_budget("150%", 800) == 1200  # weights plus room for the KV cache and activations
-    for bad in ("abc", "0", "0MiB", "0%", "-5MB", "5 parsecs", "", "MiB"):
+    assert parse_budget("50%+384MiB", 2000) == 1000 + 384 * MIB  # half the model plus room for the runtime
+    assert parse_budget("10% + 1KiB + 24", 1000) == 100 + 1024 + 24
+    for bad in ("abc", "0", "0MiB", "0%", "-5MB", "5 parsecs", "", "MiB", "50%+", "+1MiB", "50%+0MiB"):
         with pytest.raises(InvalidArgumentError, match="memory budget"):
             parse_budget(bad, 1000)
 
@@ -101,6 +103,10 @@ def test_memory_needs_per_method(tmp_path):
     assert (cats.min_resident_layers, cats.shallow_layers) == (1, 2)  # draft layers resident, shallow ones if room
     assert cats.extra_cache_layers == 2 and cats.max_tree_tokens == 17
     assert cats.adapter_bytes == draft_bytes + block * 8
+    # dytc drafts from lookup and recycling where layers stream (layer skipping only when all are resident anyway)
+    dytc = memory_needs(config, dtype, "dytc")
+    assert dytc.min_resident_layers == 1 and dytc.max_tree_tokens == max(b.total_tokens for b in BUCKETS) + 1
+    assert memory_needs(config, dtype, "layer-skip").min_resident_layers == config.num_hidden_layers
 
 
 def test_choose_bucket_from_io_and_compute():
@@ -127,3 +133,15 @@ def test_the_budget_caps_the_tree_it_reserves():
     assert tight.needs.max_tree_tokens == BUCKETS[0].total_tokens + 1  # only the smallest bucket's activations fit
     with pytest.raises(BudgetTooSmallError, match=f"activations \\({BUCKETS[0].total_tokens + 1}-token pass\\)"):
         plan_for(model.hf_model, tight.minimum - 1, auto())
+
+
+def test_a_process_budget_plans_for_the_measured_runtime_too():
+    """With the runtime's bytes in the needs, every plan needs that much more, and the minimum names it."""
+    parts = PartSizes(embed=16 * KIB, norm=0, lm_head=0, layers=[8 * KIB] * 6)
+    needs = MemoryNeeds(context_tokens=10, min_resident_layers=1, adapter_bytes=4 * KIB, prefetch=1,
+                        runtime_bytes=100 * KIB)
+    plan = plan_memory(100 * KIB + 56 * KIB, parts, needs, kv_bytes=4 * KIB, activation=8 * KIB)
+    assert plan.planned_bytes == hand_case(56 * KIB).planned_bytes + 100 * KIB
+    assert plan.rows()[0] == ("runtime (measured before loading weights)", 100 * KIB)
+    with pytest.raises(BudgetTooSmallError, match=r"minimum of 156.0 KiB.*runtime \(measured"):
+        plan_memory(155 * KIB, parts, needs, kv_bytes=4 * KIB, activation=8 * KIB)

@@ -79,7 +79,8 @@ def test_every_method_is_lossless_while_streaming(family, prompt_indices, tmp_pa
                                          prefetch=1)).pool_slots == 2
     assert all(p.device.type == "meta" for layer in model.layers[2:] for p in layer.parameters())
     methods = [("ar", {}), ("pld", {"num_draft_tokens": 4}), ("early-exit", {"draft_layer": 1, "num_draft_tokens": 3}),
-               ("tree", {"draft_layer": 1, "total_tokens": 12}), ("cats", {"adapters": str(adapters), "total_tokens": 8})]
+               ("tree", {"draft_layer": 1, "total_tokens": 12}), ("cats", {"adapters": str(adapters), "total_tokens": 8}),
+               ("dytc", {})]  # dytc without layer skipping while layers stream: lookup and recycling trees
     for method, options in methods:
         drafter = make_drafter(method, model, DraftConfig(**options))
         scorer = make_scorer(method, model, drafter, DraftConfig(adapters=options.get("adapters")))
@@ -208,25 +209,31 @@ STORIES = __import__("pathlib").Path(__file__).resolve().parents[1].parent / "sh
 
 
 @pytest.mark.skipif(not STORIES.is_dir(), reason="../shared/data is not available")
-def test_cli_prints_the_plan_and_streaming_stats(capsys):
+def test_cli_prints_the_plan_and_streaming_stats(capsys, monkeypatch):
+    """The command line's budget is the process's: the runtime measured before loading (here a fixed 300 MiB, the
+    test process holding more than a user's would) is planned for, then the model's part."""
     import json
 
+    import cats.api
     from cats.cli import main
+
+    monkeypatch.setattr(cats.api, "current_rss_bytes", lambda: 300 << 20)
 
     args = ["generate", "--model", str(STORIES), "--prompt", "Once upon a time", "--max-new-tokens", "12",
             "--method", "early-exit", "--draft-layer", "1", "-k", "2", "--json", "--stats"]
     assert main(args) == 0
     plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert main(args + ["--memory-budget", "95%", "--prefetch", "1", "--offload-io", "buffered"]) == 0
+    assert main(args + ["--memory-budget", "95%+300MiB", "--prefetch", "1", "--offload-io", "buffered"]) == 0
     captured = capsys.readouterr()
     budgeted = json.loads(captured.out.strip().splitlines()[-1])
     assert budgeted["token_ids"] == plain["token_ids"]
     first, last = budgeted["stats"]["offload"]["streamed_layers"]
     assert 1 <= first < last == 5  # draft layer resident, deeper ones streamed
     assert "memory plan: budget" in captured.err and f"streamed layers [{first}, 5)" in captured.err
+    assert "runtime (measured before loading weights)    300.0 MiB" in captured.err
     assert f"offload: layers [{first}, 5) streamed (buffered)" in captured.err and "peak RSS" in captured.err
     assert budgeted["stats"]["offload"]["acquires"] == (5 - first) * budgeted["stats"]["target_forwards"]
-    assert main(args + ["--memory-budget", "1%"]) == 2
+    assert main(args + ["--memory-budget", "1%+300MiB"]) == 2
     assert "below the minimum of" in capsys.readouterr().err
     assert main(args + ["--prefetch", "1"]) == 2
     assert "--prefetch applies with --memory-budget only" in capsys.readouterr().err

@@ -121,14 +121,20 @@ class DraftConfig:
 
 @dataclass
 class MemoryConfig:
-    """Running under a memory budget: ``budget`` in bytes, ``"300MiB"`` or ``"50%"`` of the weight bytes (None: no
-    budget); ``offload_io`` ``direct`` (O_DIRECT) or ``buffered``; ``prefetch`` streamed layers read ahead;
-    ``layer_store``: where the layer store lives (default ``$CATS_CACHE/layers``)."""
+    """Running under a memory budget: ``budget`` in bytes, ``"300MiB"``, ``"50%"`` of the model's bytes in the
+    format it runs in, or a sum (``"50%+384MiB"``) (None: no budget); ``offload_io`` ``direct`` (O_DIRECT) or
+    ``buffered``; ``prefetch`` streamed layers read ahead; ``layer_store``: where the layer store lives (default
+    ``$CATS_CACHE/layers``). ``process``: the budget is the whole process's memory, as the kernel charges it (the
+    command line's ``--memory-budget``): what the process holds before any weight is read (its resident set when the
+    model is planned: interpreter, libraries, tokenizer) is measured and planned for too. False (the library's
+    default, where the process may hold other things): the budget is the model's own memory, weights, KV cache,
+    activations and buffers."""
 
     budget: str | int | None = None
     offload_io: str = "direct"
     prefetch: int = DEFAULT_PREFETCH
     layer_store: str | None = None
+    process: bool = False
 
     def validate(self) -> None:
         if self.budget is not None and not (isinstance(self.budget, str) or (_is_int(self.budget) and self.budget > 0)):
@@ -140,6 +146,8 @@ class MemoryConfig:
             raise InvalidArgumentError(f"prefetch must be an integer >= 0, got {self.prefetch!r}")
         if self.layer_store is not None:
             self.layer_store = _path_text(self.layer_store, "layer_store")
+        if not isinstance(self.process, bool):
+            raise InvalidArgumentError(f"process must be True or False, got {self.process!r}")
 
 
 KERNEL_CHOICES = ("auto", "aten")

@@ -142,9 +142,16 @@ def _layer_skip(model, d: DraftConfig, threshold, progress):
 def _dytc(model, d: DraftConfig, threshold, progress):
     if threshold:
         raise InvalidArgumentError("--threshold does not apply to dytc: the scheduler chooses draft lengths itself")
-    bucket = speculation_for(model)[0]  # the default shape: nothing streams here
+    bucket = speculation_for(model)[0]  # the default shape, or under a budget the bucket chosen for its I/O cost
     feature = _feature_adapter(d.adapters, model)  # a feature/ adapter in DIR is used instead of draft/
-    return make_dytc(model, d.sparsities(DYTC_SPARSITIES), feature_adapter=feature,
+    sparsities = d.sparsities(DYTC_SPARSITIES)
+    if model.weights is not None:  # layers stream: a layer-skip draft token would read them all again
+        if d.sparsity is not None:
+            raise InvalidArgumentError("dytc drafts without layer skipping while layers stream (every skip-draft token "
+                                       "would read the streamed layers again); drop --sparsity, or give a budget that "
+                                       "keeps every layer resident")
+        sparsities = ()
+    return make_dytc(model, sparsities, feature_adapter=feature,
                      adapter=_draft_adapter(d.adapters, model) if feature is None else None,
                      max_ngram=d.max_ngram, num_tokens=d.num_draft_tokens,
                      tree_topk=bucket.tree_topk if d.tree_topk is None else d.tree_topk,
@@ -295,8 +302,9 @@ def _all_layer_needs(needs, config, itemsize, d):  # they draft through every la
     needs.min_resident_layers = config.num_hidden_layers
 
 
-def _dytc_needs(needs, config, itemsize, d):
-    _all_layer_needs(needs, config, itemsize, d)
+def _dytc_needs(needs, config, itemsize, d):  # layer skipping only where every layer stays resident (`_dytc`)
+    layers = _adapter_needs(needs, config, itemsize, d, early_exit=False)
+    needs.min_resident_layers = _draft_layers(layers, config, d) if layers else 1  # layer 0 times its cost model
     if d.total_tokens is not None:
         needs.max_tree_tokens = d.total_tokens + 1
     else:
@@ -325,7 +333,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            frozenset({"num_draft_tokens", "threshold", "sparsity"}), all_layers=True),
     Method("dytc", "scheduler over prompt lookup, token recycling, layer skipping and, with --adapters, the draft "
            "adapter", _dytc, _dytc_needs, frozenset({"num_draft_tokens", "max_ngram", "adapters", "tree_topk",
-                                                      "total_tokens", "depth", "sparsity"}), all_layers=True),
+                                                      "total_tokens", "depth", "sparsity"})),
     Method("eagle", "trees from the feature draft adapter in --adapters, which reads the target's final features; "
            "chain: --tree-topk 1", _eagle, _eagle_needs,
            frozenset({"adapters", "threshold", "tree_topk", "total_tokens", "depth"}), CONFIDENCE_STOP),

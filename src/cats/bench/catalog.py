@@ -42,8 +42,11 @@ def parse_methods(text: str) -> list[str]:
 
 def make_method(name: str, context: BenchContext) -> BenchMethod:
     """The method called ``name``; raises `MethodUnavailableError` for a known method that cannot run here."""
-    if context.memory_budget is not None and name in HF_METHODS + LLAMA_CPP_METHODS + LLAMA_SERVER_METHODS:
+    if context.memory_budget is not None and name in HF_METHODS + LLAMA_CPP_METHODS:
         raise MethodUnavailableError(UNBUDGETED.format(name=name))
+    if context.memory_budget is not None and name in LLAMA_SERVER_METHODS and context.cgroup is None:
+        raise MethodUnavailableError(f"{name} has no memory planner of its own: it runs under --memory-limit (a "
+                                     "memory cgroup, the kernel's limit), not under --memory-budget alone")
     if name in CATS_METHODS:
         return CatsMethod(name, context)
     if name in HF_METHODS:

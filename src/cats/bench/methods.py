@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from cats.api import generator_for
+from cats.bench.cgroup import MemoryCgroup
 from cats.config import DraftConfig, GenerationConfig
 from cats.draft import default_draft_layer
 from cats.errors import CatsError, InvalidArgumentError
@@ -38,7 +39,7 @@ from cats.model.kernels.packing import packing_off
 from cats.model.source import local_folder, resolve_dtype
 from cats.model.weights.budget import PartSizes, mib, parse_budget
 from cats.model.weights.offload import build_skeleton, plan_for
-from cats.model.weights.rss import bound_heap
+from cats.model.weights.rss import bound_heap, current_rss_bytes
 from cats.sampling import check_sampling
 from cats.verify.acceptance import check_acceptance, make_acceptance
 from cats.verify.cascade import SV_THRESHOLD
@@ -131,6 +132,8 @@ class BenchContext:
     model_source: str  # what the user passed as --model (llama.cpp needs the GGUF file behind it)
     settings: MethodSettings = field(default_factory=MethodSettings)
     memory_budget: str | None = None  # --memory-budget: every method runs under it
+    cgroup: MemoryCgroup | None = None  # --memory-limit: the memory cgroup a method's own process runs in
+    process_memory: bool = False  # the budget is the whole process's memory (a bench worker's), not the model's
     dtype: str = "float32"
     context_tokens: int | None = None  # KV cache tokens the budgeted methods plan for
     prompt_tokens: int | None = None  # the longest prompt (its prefill's activations)
@@ -315,10 +318,13 @@ class HfOffloadMethod(HfGenerateMethod):
         needs = memory_needs(config, dtype, "ar", context_tokens=context.context_tokens,
                              prompt_tokens=context.prompt_tokens)
         plan = plan_for(skeleton, max(budget, 10**15), needs)  # the same KV cache and activation estimates as ar
-        self.max_memory = budget - plan.kv_bytes - plan.activation_bytes
+        # a worker's budget is the process's (as for CATS's methods): the runtime's share is measured and set aside
+        runtime = (current_rss_bytes() or 0) if context.process_memory else 0
+        self.max_memory = budget - runtime - plan.kv_bytes - plan.activation_bytes
         if self.max_memory <= 0:
-            raise MethodUnavailableError(f"{name}: the budget {mib(budget)} leaves nothing for weights after the KV "
-                                         f"cache ({mib(plan.kv_bytes)}) and activations ({mib(plan.activation_bytes)})")
+            raise MethodUnavailableError(f"{name}: the budget {mib(budget)} leaves nothing for weights after the "
+                                         f"runtime ({mib(runtime)}), KV cache ({mib(plan.kv_bytes)}) and "
+                                         f"activations ({mib(plan.activation_bytes)})")
 
         bound_heap()  # the same allocator setting as CATS under a budget
         self.offload_folder = tempfile.mkdtemp(prefix="cats-hf-offload-")

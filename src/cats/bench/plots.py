@@ -71,3 +71,27 @@ def plot_accept_lengths(answers: dict[str, list[dict]], path: Path) -> bool:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     return True
+
+
+def plot_memory_curve(curve: dict, path: Path) -> bool:
+    """Tokens/s against the memory limit, one line per method (a method that could not run under a limit has no
+    point there). ``curve``: `cats.bench.curve` 's ``{"points": [{"limit_mb", "methods": {name: tokens/s}}]}``."""
+    names = list(dict.fromkeys(name for point in curve["points"] for name in point["methods"]))
+    if not names:
+        return False
+    figure = _figure(7.0, 4.5)
+    axes = figure.add_subplot()
+    for name in names:
+        xy = [(p["limit_mb"], p["methods"][name]) for p in curve["points"] if p["methods"].get(name) is not None]
+        if xy:
+            axes.plot(*zip(*xy), marker="o", label=name)
+    for point in curve["points"]:
+        axes.axvline(point["limit_mb"], color="0.85", linewidth=0.6, zorder=0)
+    axes.set_xlabel("memory limit, MiB (a cgroup: anonymous memory + page cache)")
+    axes.set_ylabel("tokens/s")
+    axes.set_yscale("log")
+    axes.set_title(f"{Path(str(curve['model'])).name}, {curve['threads']} threads")
+    axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    return True

@@ -18,15 +18,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 import zlib
-from dataclasses import dataclass, field
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from tqdm import tqdm
+from transformers import AutoConfig
 
 from cats.bench.answers import (
     PARTIAL_SUFFIX,
@@ -36,6 +40,8 @@ from cats.bench.answers import (
     read_answers,
 )
 from cats.bench.catalog import make_method
+from cats.bench.cgroup import MemoryCgroup, find_hierarchy
+from cats.bench.llama_server import LLAMA_SERVER_METHODS
 from cats.bench.memory import PeakRssSampler
 from cats.bench.methods import (
     HF_METHODS,
@@ -45,6 +51,7 @@ from cats.bench.methods import (
     BenchMethod,
     MethodSettings,
     MethodUnavailableError,
+    find_gguf,
 )
 from cats.bench.plots import (
     ACCEPT_PLOT,
@@ -92,6 +99,8 @@ class BenchConfig:
     seed: int | None = None  # sampled runs: base of the per-turn seeds (None: 0); must stay None when greedy
     progress: bool = True
     memory_budget: str | None = None  # e.g. "50%", "300MiB": every method runs under it, each in its own process
+    memory_limit: str | None = None  # e.g. "50%+384MiB": each method's process in a memory cgroup with this limit;
+    # CATS's methods plan for it as their process budget (unless memory_budget says otherwise)
     prefetch: int = 2  # with memory_budget: streamed layers read ahead
     offload_io: str = "direct"  # with memory_budget: "direct" or "buffered"
     pack_weights: bool = False  # bf16: CATS's methods run on prepacked linears (transformers baselines do not)
@@ -102,7 +111,7 @@ class BenchConfig:
         sampling.validate()
         check_sampling(sampling.temperature, sampling.top_p, sampling.top_k, self.seed)
         if self.pack_weights:
-            check_packing(resolve_dtype(self.dtype), self.memory_budget)
+            check_packing(resolve_dtype(self.dtype), self.memory_budget or self.memory_limit)
         self.settings.drafting().validate()
         if self.max_new_tokens < 1:
             raise InvalidArgumentError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
@@ -184,9 +193,10 @@ def run_bench(config: BenchConfig) -> dict:
     threads = torch.get_num_threads()
     config.settings.threads = threads
     model_id = f"{Path(config.model).name or config.model}-{config.dtype}"
+    budgeted = config.memory_budget is not None or config.memory_limit is not None
     # measured under a budget only (a fresh process costs seconds): that is where the bound uses it
-    baseline = runtime_baseline(config.model, threads) if config.memory_budget is not None else {"peak_rss_mb": None}
-    if config.memory_budget is None:
+    baseline = runtime_baseline(config.model, threads) if budgeted else {"peak_rss_mb": None}
+    if not budgeted:
         answers, peaks, settings, skipped, acceptance = run_in_process(config, questions, out, model_id)
         memory = {}
     else:
@@ -199,9 +209,10 @@ def run_bench(config: BenchConfig) -> dict:
         "top_k": sampling.top_k, "seed": (config.seed or 0) if sampling.sampled else None,
         "acceptance": sampling.label(), "warmup": config.warmup, "methods_requested": list(config.methods),
         "pack_weights": config.pack_weights,
-        "memory_budget": config.memory_budget, "memory_budget_mb": memory.get("budget_mb"),
+        "memory_budget": config.memory_budget or config.memory_limit, "memory_budget_mb": memory.get("budget_mb"),
+        "memory_limit": config.memory_limit, "memory_limit_mb": memory.get("limit_mb"),
         "runtime_baseline_mb": baseline["peak_rss_mb"],
-        "peak_rss_method": ("each method in its own process: VmHWM, loading included" if config.memory_budget
+        "peak_rss_method": ("each method in its own process: VmHWM, loading included" if budgeted
                             else "one process, RSS sampled while each method ran (shared weights included)"),
     }
     if sampling.acceptance == "typical":
@@ -294,29 +305,31 @@ def context_tokens(tokenizer, questions: list[Question], config: BenchConfig) ->
 
 
 def run_in_workers(config: BenchConfig, questions: list[Question], out: Path, model_id: str):
-    """Every method alone in its own process under the budget, one after the other (see the module docstring)."""
-    import subprocess
-    from dataclasses import asdict
-    from types import SimpleNamespace
-
-    from transformers import AutoConfig
-
-
+    """Every method alone in its own process under the budget, one after the other (see the module docstring); under
+    a memory limit each in its own memory cgroup (`cats.bench.cgroup`), llama-server included."""
     tokenizer = load_tokenizer(config.model)
     check_prompt_format(SimpleNamespace(tokenizer=tokenizer, name=config.model), config.prompt_format)
     dtype = resolve_dtype(config.dtype)
     gguf = runnable_gguf(config.model, config.kernels, float_settings=dtype != torch.float32 or config.pack_weights)
     if gguf is not None:  # on its blocks: the workers stream from the file itself, no layer store
         tensors = tensor_index(gguf_metadata(gguf))["tensors"].values()
-        budget = parse_budget(config.memory_budget, sum(entry["bytes"] for entry in tensors))
+        weight_bytes = sum(entry["bytes"] for entry in tensors)
         weight_files = [gguf]
     else:
         folder = local_folder(config.model)
         skeleton = build_skeleton(AutoConfig.from_pretrained(folder), dtype)
-        budget = parse_budget(config.memory_budget, PartSizes.of(skeleton).weights)
+        weight_bytes = PartSizes.of(skeleton).weights
         store = checkpoint_store(folder, skeleton, dtype)
         del skeleton
         weight_files = sorted(Path(folder).glob("*.safetensors")) + sorted(store.folder.glob("*.safetensors"))
+    server_gguf = find_gguf(config.model)
+    if server_gguf is not None and server_gguf not in weight_files:
+        weight_files.append(server_gguf)
+    process_budget = config.memory_budget or config.memory_limit
+    budget = parse_budget(process_budget, weight_bytes)
+    limit = parse_budget(config.memory_limit, weight_bytes) if config.memory_limit is not None else None
+    if limit is not None:
+        find_hierarchy()  # no cgroup: one clear error before any method runs
     context, prompt = context_tokens(tokenizer, questions, config)
     answers, peaks, settings, skipped, acceptance, measured = {}, {}, {}, {}, {}, {}
     jobs = Path(tempfile.mkdtemp(prefix=".cats-bench-jobs-", dir=out))
@@ -325,40 +338,50 @@ def run_in_workers(config: BenchConfig, questions: list[Question], out: Path, mo
             if name in HF_METHODS + LLAMA_CPP_METHODS:  # known not to run under a budget: no process needed
                 skipped[name] = UNBUDGETED.format(name=name)
                 continue
-            job = {
-                "model": config.model, "method": name, "dtype": config.dtype, "kernels": config.kernels,
-                "threads": config.settings.threads, "settings": asdict(config.settings),
-                "memory_budget": config.memory_budget,
-                "prefetch": config.prefetch, "offload_io": config.offload_io, "context_tokens": context,
-                "prompt_tokens": prompt,
-                "questions": [{"question_id": q.question_id, "category": q.category, "turns": list(q.turns)}
-                              for q in questions],
-                "question_file": str(config.questions), "turns": config.turns,
-                "prompt_format": config.prompt_format, "max_new_tokens": config.max_new_tokens,
-                "warmup": config.warmup, "seed": config.seed, "model_id": model_id, "progress": config.progress,
-                "answers": str(out / f"{name}.jsonl"), "result": str(jobs / f"{name}.result.json"),
-            }
-            (jobs / f"{name}.json").write_text(json.dumps(job))
-            evict_page_cache(weight_files)
-            if config.progress:
-                print(f"cats bench: {name} under a memory budget of {config.memory_budget} "
-                      f"({budget / MIB:.1f} MiB), in its own process", file=sys.stderr, flush=True)
-            done = subprocess.run([sys.executable, "-m", "cats.bench.worker", str(jobs / f"{name}.json")],
-                                  env=_worker_environment())
-            result_file = jobs / f"{name}.result.json"
-            if done.returncode != 0 or not result_file.is_file():
-                skipped[name] = f"its worker process failed (exit status {done.returncode}); see the log above"
-                print(f"cats bench: {name} failed: exit status {done.returncode}", file=sys.stderr)
+            if name in LLAMA_SERVER_METHODS and limit is None:
+                skipped[name] = (f"{name} has no memory planner of its own: it runs under --memory-limit (a memory "
+                                 "cgroup, the kernel's limit), not under --memory-budget alone")
                 continue
-            result = json.loads(result_file.read_text())
-            if "skipped" in result:
-                skipped[name] = result["skipped"]
-                print(f"cats bench: skipping {name}: {result['skipped']}", file=sys.stderr)
+            evict_page_cache(weight_files)  # every method starts cold
+            if config.progress:
+                held = f"a memory limit of {config.memory_limit} ({limit / MIB:.1f} MiB, a cgroup)" if limit else (
+                    f"a memory budget of {process_budget} ({budget / MIB:.1f} MiB)")
+                print(f"cats bench: {name} under {held}, in its own process", file=sys.stderr, flush=True)
+            with (MemoryCgroup(name, limit) if limit is not None else nullcontext()) as cgroup:
+                if name in LLAMA_SERVER_METHODS:
+                    outcome = run_server(name, config, questions, tokenizer, model_id, context, prompt, cgroup, out)
+                else:
+                    job = {
+                        "model": config.model, "method": name, "dtype": config.dtype, "kernels": config.kernels,
+                        "threads": config.settings.threads, "settings": asdict(config.settings),
+                        "memory_budget": process_budget, "process_memory": True,
+                        "prefetch": config.prefetch, "offload_io": config.offload_io, "context_tokens": context,
+                        "prompt_tokens": prompt,
+                        "questions": [{"question_id": q.question_id, "category": q.category, "turns": list(q.turns)}
+                                      for q in questions],
+                        "question_file": str(config.questions), "turns": config.turns,
+                        "prompt_format": config.prompt_format, "max_new_tokens": config.max_new_tokens,
+                        "warmup": config.warmup, "seed": config.seed, "model_id": model_id,
+                        "progress": config.progress,
+                        "answers": str(out / f"{name}.jsonl"), "result": str(jobs / f"{name}.result.json"),
+                    }
+                    outcome = run_worker(name, job, jobs, cgroup)
+                usage = cgroup.usage().to_dict() if cgroup is not None else None
+            if "skipped" in outcome:
+                reason = outcome["skipped"]
+                if usage is not None and usage["oom_kills"]:
+                    reason = (f"killed by the kernel's OOM killer under the {usage['memory_limit_mb']:.0f} MiB limit "
+                              f"(peak charged {usage['peak_memory_mb']:.0f} MiB); {reason}")
+                skipped[name] = reason
+                print(f"cats bench: skipping {name}: {reason}", file=sys.stderr)
                 continue
             answers[name] = read_answers(out / f"{name}.jsonl{PARTIAL_SUFFIX}")
-            peaks[name], settings[name] = result["peak_rss_mb"], result["settings"]
-            acceptance[name] = result["acceptance"]
-            measured[name] = {key: result[key] for key in ("plan", "storage_read_mb", "page_cache_mb")}
+            peaks[name], settings[name] = outcome["peak_rss_mb"], outcome["settings"]
+            acceptance[name] = outcome["acceptance"]
+            measured[name] = {key: outcome.get(key) for key in ("plan", "storage_read_mb", "page_cache_mb",
+                                                                "process_read_mb")}
+            if usage is not None:
+                measured[name]["cgroup"] = usage
         if not answers:
             raise InvalidArgumentError("none of the requested methods can run under this budget: "
                                        + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
@@ -366,9 +389,56 @@ def run_in_workers(config: BenchConfig, questions: list[Question], out: Path, mo
             finish_file(out / f"{name}.jsonl")
     finally:
         shutil.rmtree(jobs, ignore_errors=True)
-    memory = {"budget_mb": round(budget / MIB, 1), "context_tokens": context, "prompt_tokens": prompt,
-              "methods": measured}
+    memory = {"budget_mb": round(budget / MIB, 1), "limit_mb": round(limit / MIB, 1) if limit else None,
+              "context_tokens": context, "prompt_tokens": prompt, "methods": measured}
     return answers, peaks, settings, skipped, acceptance, memory
+
+
+def run_worker(name: str, job: dict, jobs: Path, cgroup: MemoryCgroup | None) -> dict:
+    """One CATS method (or hf-offload) in a fresh worker process (in ``cgroup`` from its first instruction): its
+    result, or ``{"skipped": why}``."""
+    (jobs / f"{name}.json").write_text(json.dumps(job))
+    done = subprocess.run([sys.executable, "-m", "cats.bench.worker", str(jobs / f"{name}.json")],
+                          env=_worker_environment(), preexec_fn=cgroup.enter if cgroup is not None else None)
+    result_file = jobs / f"{name}.result.json"
+    if done.returncode != 0 or not result_file.is_file():
+        return {"skipped": f"its worker process failed (exit status {done.returncode}); see the log above"}
+    return json.loads(result_file.read_text())
+
+
+def run_server(name: str, config: BenchConfig, questions: list[Question], tokenizer, model_id: str, context: int,
+               prompt: int, cgroup: MemoryCgroup, out: Path) -> dict:
+    """llama-server under the memory limit: the server in ``cgroup``, this process only sending the requests (it
+    never touches the model file). Its result, or ``{"skipped": why}``."""
+    bench_context = BenchContext(None, config.model, config.settings, memory_budget=config.memory_limit,
+                                 dtype=config.dtype, context_tokens=context, prompt_tokens=prompt,
+                                 progress=config.progress, cgroup=cgroup)
+    try:
+        method = make_method(name, bench_context)
+    except MethodUnavailableError as error:
+        return {"skipped": str(error)}
+    writer = AnswerWriter(out / f"{name}.jsonl")
+    try:
+        for _ in range(config.warmup):
+            answer_question(method, questions[0], tokenizer, config, model_id)
+        start = time.perf_counter()
+        for number, question in enumerate(questions, start=1):
+            answer = answer_question(method, question, tokenizer, config, model_id)
+            if answer["error"]:
+                print(f"cats bench: {name} failed on question {question.question_id}: {answer['error']}",
+                      file=sys.stderr)
+            writer.write(answer)
+            if config.progress:
+                print(f"cats bench: {name} {number}/{len(questions)} ({time.perf_counter() - start:.0f} s)",
+                      file=sys.stderr, flush=True)
+        read = method.storage_read_bytes()
+        result = {"peak_rss_mb": method.own_peak_rss_mb(), "settings": method.describe(),
+                  "acceptance": method.acceptance, "plan": None, "storage_read_mb": None, "page_cache_mb": None,
+                  "process_read_mb": round(read / MIB, 1) if read is not None else None}
+    finally:
+        writer.close()
+        method.close()
+    return result
 
 
 def _worker_environment() -> dict:

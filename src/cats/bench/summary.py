@@ -254,6 +254,8 @@ def summarize(
                                                    run.get("runtime_baseline_mb"))
         if memory and name in memory:
             entry["memory"] = memory[name]
+            if memory[name].get("cgroup"):  # under --memory-limit: the kernel's own count for the method's cgroup
+                entry["peak_memory_mb"] = memory[name]["cgroup"]["peak_memory_mb"]
         for category in categories(answers):
             in_category = [a for a in method_answers if a["category"] == category]
             if not in_category:

@@ -53,15 +53,18 @@ def run_job(job: dict) -> dict:
         if name in CATS_METHODS:
             drafting = DraftConfig(adapters=settings.adapters, draft_layer=settings.draft_layer,
                                    num_draft_tokens=settings.num_draft_tokens, total_tokens=settings.total_tokens)
-            memory = MemoryConfig(budget=job["memory_budget"], offload_io=job["offload_io"], prefetch=job["prefetch"])
+            memory = MemoryConfig(budget=job["memory_budget"], offload_io=job["offload_io"], prefetch=job["prefetch"],
+                                  process=bool(job.get("process_memory", False)))
+            tokenizer = load_tokenizer(source)  # before planning: the runtime the process budget measures holds it
             model = prepare(source, name, drafting, memory, KernelConfig(dtype=job["dtype"], kernels=job["kernels"]),
-                            context_tokens=job["context_tokens"], prompt_tokens=job.get("prompt_tokens"))
-            tokenizer = model.tokenizer  # one tokenizer in the process, as in the runtime baseline
+                            context_tokens=job["context_tokens"], prompt_tokens=job.get("prompt_tokens"),
+                            tokenizer=tokenizer)  # one tokenizer in the process, as in the runtime baseline
             if job.get("progress") and model.memory_plan is not None:
                 print(model.memory_plan.describe(), file=sys.stderr, flush=True)
         else:  # hf-offload loads its model without one; first, as the runtime baseline does
             tokenizer = load_tokenizer(source)
         context = BenchContext(model, source, settings, memory_budget=job["memory_budget"], dtype=job["dtype"],
+                               process_memory=bool(job.get("process_memory", False)),
                                context_tokens=job["context_tokens"], prompt_tokens=job.get("prompt_tokens"),
                                progress=bool(job.get("progress", True)))
         method = make_method(name, context)
@@ -95,6 +98,7 @@ def run_job(job: dict) -> dict:
             "plan": model.memory_plan.to_dict() if model is not None and model.memory_plan is not None else None,
             "storage_read_mb": round((read_after - read_before) / MIB, 1) if read_before is not None else None,
             "page_cache_mb": round(cached / MIB, 1) if cached is not None else None,
+            "process_read_mb": round(read_after / MIB, 1) if read_after is not None else None,  # loading included
         }
     finally:
         writer.close()

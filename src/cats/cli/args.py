@@ -60,7 +60,8 @@ def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-budget", default=None, metavar="BYTES|PERCENT",
-                        help="run under a memory budget (e.g. 300MiB, 1.5GB, 50%% of the weight bytes): embeddings, "
+                        help="run under a budget of process memory (e.g. 900MiB, 1.5GB, 50%% of the model's bytes in "
+                        "the format it runs in, or 50%%+384MiB): the runtime as measured before loading, embeddings, "
                         "lm_head, the draft layers, adapters, KV cache and activations stay resident, the deep layers "
                         "stream: a .gguf on its blocks from the file itself, float weights from a per-layer store in "
                         "$CATS_CACHE/layers (see docs/memory.md)")
@@ -129,7 +130,7 @@ def build_generator(args, model):
 def memory_from_args(args) -> MemoryConfig:
     """The `MemoryConfig` of the memory arguments (``--memory-budget``, ``--prefetch``, ``--offload-io``)."""
     return MemoryConfig(budget=args.memory_budget, offload_io=args.offload_io or "direct",
-                        prefetch=DEFAULT_PREFETCH if args.prefetch is None else args.prefetch)
+                        prefetch=DEFAULT_PREFETCH if args.prefetch is None else args.prefetch, process=True)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

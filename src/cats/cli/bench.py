@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from cats.bench.catalog import known_methods, parse_methods
+from cats.bench.curve import CURVE_PLOT, CURVE_REPORT, run_curve
 from cats.bench.equal import compare_answers
 from cats.bench.methods import (
     MethodSettings,
@@ -69,6 +70,12 @@ def add_bench_parser(subparsers) -> None:
     add_tree_arguments(bench)
     add_sparsity_argument(bench)
     add_memory_arguments(bench)
+    bench.add_argument("--memory-limit", default=None, metavar="LIMIT[,LIMIT...]",
+                       help="run each method in its own Linux memory cgroup with this limit, page cache included "
+                       "(e.g. 917MiB, 50%%+384MiB: percentages of the model's bytes in the format it runs in); ours "
+                       "plan for it as their process budget; llama-server and hf-offload run under it too. Several "
+                       "limits (25%%+384MiB,50%%+384MiB,...) run the benchmark once per limit and plot tokens/s "
+                       "against the limit (OUT/memory_curve.png)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(run=run_bench_command)
 
@@ -84,7 +91,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
     for flag, value in (("--questions", args.questions), ("--out", args.out)):
         if value is None:
             raise InvalidArgumentError(f"cats bench needs {flag}")
-    if args.memory_budget is None:
+    limits = [text.strip() for text in (args.memory_limit or "").split(",") if text.strip()]
+    if args.memory_limit is not None and not limits:
+        raise InvalidArgumentError("--memory-limit is empty: pass a limit such as 917MiB or 50%+384MiB")
+    if args.memory_budget is None and not limits:
         check_memory_flags(args)
     config = BenchConfig(
         model=args.model or default_model(), questions=args.questions, out=args.out,
@@ -99,10 +109,18 @@ def run_bench_command(args: argparse.Namespace) -> int:
                                                           args.typical_tau, args.typical_alpha)),
         seed=args.seed,
         progress=not args.no_progress, memory_budget=args.memory_budget, pack_weights=args.pack_weights,
+        memory_limit=limits[0] if len(limits) == 1 else None,
         kernels=args.kernels,
         prefetch=2 if args.prefetch is None else args.prefetch, offload_io=args.offload_io or "direct",
     )
     config.validate()  # before the model loads
+    if len(limits) > 1:
+        curve = run_curve(config, limits)
+        for point in curve["points"]:
+            print(f"limit {point['limit']} ({point['limit_mb']:.0f} MiB): " + ", ".join(
+                f"{name} {speed:.2f} tok/s" for name, speed in point["methods"].items() if speed is not None))
+        print(f"wrote {args.out}/{CURVE_REPORT}, {CURVE_PLOT} and one folder per limit")
+        return 0
     summary = run_bench(config)
     print(f"acceptance: {summary['acceptance']}, temperature {summary['temperature']:g}")
     for name, method in summary["methods"].items():
@@ -113,7 +131,11 @@ def run_bench_command(args: argparse.Namespace) -> int:
               f"acceptance: {method['acceptance']}, failures {method['failures']}")
     for name, reason in summary["skipped"].items():
         print(f"{name:>16}: skipped ({reason})")
-    if summary.get("memory_budget"):
+    if summary.get("memory_limit"):
+        print(f"memory limit {summary['memory_limit']} = {summary['memory_limit_mb']:.1f} MiB (a cgroup each); "
+              "peak charged: " + ", ".join(f"{name} {m['peak_memory_mb']:.0f} MiB" for name, m in
+                                           summary["methods"].items() if m.get("peak_memory_mb") is not None))
+    elif summary.get("memory_budget"):
         print(f"memory budget {summary['memory_budget']} = {summary['memory_budget_mb']:.1f} MiB, runtime baseline "
               f"{summary['runtime_baseline_mb']:.1f} MiB; peak RSS: " + ", ".join(
                   f"{name} {m['peak_rss_mb']:.0f} MiB" for name, m in summary["methods"].items()))

@@ -74,6 +74,17 @@ class FileMapping:
         offset = tensor.data_ptr() - self.address
         return offset if 0 <= offset and offset + tensor.numel() * tensor.element_size() <= self.size else None
 
+    def read_at_random(self, tensor: torch.Tensor) -> None:
+        """Tell the kernel that ``tensor``'s pages are read at random (``MADV_RANDOM``): a fault reads its own page
+        only, not the pages around it (an embedding table, of which each token reads one row)."""
+        offset = self.offset_of(tensor)
+        if offset is None or _LIBC is None:
+            return
+        page = mmap.PAGESIZE
+        first = (self.address + offset) // page * page
+        last = self.address + offset + tensor.numel() * tensor.element_size()
+        _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_RANDOM)
+
     def release(self, offset: int, length: int) -> None:
         """Hand the pages of bytes ``[offset, offset + length)`` back to the kernel: unmapped from this process
         (``MADV_DONTNEED``; read again from the file if touched) and dropped from the page cache where no one else

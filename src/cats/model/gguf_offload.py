@@ -71,6 +71,8 @@ def stream_gguf_layers(hf_model, budget: str | int, needs: MemoryNeeds | None = 
     needs = default_needs(hf_model.config, needs)
     plan: MemoryPlan = plan_for(hf_model, budget, needs,
                                 stored_layers=[max(span.data_bytes, size) for span, size in zip(spans, sizes)])
+    if plan.parts.embed_rows:  # planned for the rows read: fault in those rows only
+        mapping.read_at_random(hf_model.model.embed_tokens.blocks)
     if not plan.streamed:
         return plan, None
     layouts = {i: spans[i] for i in plan.streamed}

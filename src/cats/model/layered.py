@@ -67,6 +67,20 @@ def layer_types_of(config) -> list[str]:
     return [FULL] * n
 
 
+def eos_token_ids(generation_config, config, tokenizer) -> set[int]:
+    """End-of-sequence ids from the generation config (which may list several), else the model config, else the
+    tokenizer."""
+    ids: set[int] = set()
+    for source in (generation_config, config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else eos)
+            break
+    if not ids and tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
 @dataclass
 class LayeredModel:
     """A loaded target model that runs any layer range ``[start, end)`` on hidden states.
@@ -163,16 +177,7 @@ class LayeredModel:
 
     @property
     def eos_token_ids(self) -> set[int]:
-        """End-of-sequence ids from the generation config (which may list several) and the tokenizer."""
-        ids: set[int] = set()
-        for source in (getattr(self.hf_model, "generation_config", None), self.config):
-            eos = getattr(source, "eos_token_id", None) if source is not None else None
-            if eos is not None:
-                ids.update([eos] if isinstance(eos, int) else eos)
-                break
-        if not ids and self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
+        return eos_token_ids(getattr(self.hf_model, "generation_config", None), self.config, self.tokenizer)
 
     def new_cache(self, extra_layers: int = 0, capacity: int | None = None) -> KVCache:
         """A cache for the target's layers plus ``extra_layers`` slots (indices ``num_layers ..``) that adapters

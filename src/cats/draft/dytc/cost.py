@@ -18,8 +18,10 @@ about 1 ms per query token and 4 ms per forward per 1000 cached tokens). Every s
 verified, so no size keeps a stale estimate. An observation is clipped to [2/3, 3/2] times the prediction before the
 update: one step descheduled by the OS must not move the curve. Predictions are non-decreasing in n.
 
-Without a measured shape (a model that streams its layers from disk, where a forward costs about the same for any n;
-or tests), the shape is flat: optimistic for more tokens, and the fit's scale comes from the first observation.
+A model that streams its deep layers under a memory budget gets `streamed_shape`: a pass costs its read time or its
+compute, whichever is longer (the reader fills the next layers while the current ones compute), so extra tokens are
+free until their compute outgrows the read, and DyTC verifies larger trees there. Without any shape (tests), the
+shape is flat: optimistic for more tokens, and the fit's scale comes from the first observation.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from cats.draft.sizing import time_pass
 
 CALIBRATION_SIZES = (1, 2, 4, 6, 8, 10, 12, 16, 32)  # token counts measured (linear in between, and beyond)
 CALIBRATION_CONTEXT = 64  # cached tokens (random) when measuring
@@ -82,6 +86,17 @@ class CostShape:
     def to_dict(self) -> dict:
         return {"context": self.context, "measure_s": round(self.measure_s, 3),
                 "by_tokens": {str(n): round(s, 5) for n, s in zip(self.tokens, self.seconds)}}
+
+
+def streamed_shape(model, sizes: Sequence[int] = CALIBRATION_SIZES, repeats: int = CALIBRATION_REPEATS,
+                   clock: Callable[[], float] = time.perf_counter) -> CostShape:
+    """The cost of a pass over ``sizes`` tokens for a model whose deep layers stream: ``max(read, compute(n))``, the
+    read time from the plan's bytes per pass and the reader's measured bandwidth, the compute from layer 0 timed on
+    n tokens times the layers, plus the head (`cats.draft.sizing.time_pass`: no streamed layer is read for it)."""
+    began = clock()
+    read_s = model.memory_plan.bytes_per_pass / model.weights.wait_for_bandwidth()
+    seconds = {n: max(read_s, time_pass(model, n, repeats=repeats)) for n in sizes}
+    return CostShape.of(seconds, context=64, measure_s=clock() - began)
 
 
 @torch.inference_mode()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 
-from cats.model.source import load_tokenizer, local_folder
+from cats.model.source import config_folder, load_tokenizer
 from cats.model.weights.offload import build_skeleton
 from cats.model.weights.rss import MIB, current_rss_bytes, peak_rss_bytes
 
@@ -18,7 +18,7 @@ def measure_baseline(model: str, threads: int | None = None) -> dict:
     from transformers import AutoConfig
 
 
-    folder = local_folder(model)
+    folder = config_folder(model)  # a GGUF file's metadata folder: no weights converted
     load_tokenizer(model)
     build_skeleton(AutoConfig.from_pretrained(folder), torch.float32)
     if threads:

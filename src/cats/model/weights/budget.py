@@ -42,18 +42,25 @@ class BudgetTooSmallError(InvalidArgumentError):
 
 
 def parse_budget(text: str | int, weight_bytes: int) -> int:
-    """Bytes of a budget given as bytes (``123456``), with a unit (``300MiB``, ``1.5GB``, ``300m``), or as a
-    percentage of the model's weight bytes (``50%``)."""
+    """Bytes of a budget given as bytes (``123456``), with a unit (``300MiB``, ``1.5GB``, ``300m``), as a
+    percentage of the model's weight bytes in the format it runs in (``50%``: of a GGUF file's blocks), or as a sum
+    of these (``50%+384MiB``: half the model plus room for the runtime)."""
     if isinstance(text, bool):
         raise InvalidArgumentError(f"memory budget must be bytes, a size like 300MiB or a percentage, got {text!r}")
     if isinstance(text, int):
-        value, unit = float(text), ""
+        return _budget_term(text, str(text), weight_bytes)
+    return sum(_budget_term(term, str(text), weight_bytes) for term in str(text).split("+"))
+
+
+def _budget_term(term: str | int, text: str, weight_bytes: int) -> int:
+    if isinstance(term, int):
+        value, unit = float(term), ""
     else:
-        match = _BUDGET.match(str(text))
+        match = _BUDGET.match(term)
         if not match:
             raise InvalidArgumentError(
-                f"cannot read memory budget {text!r}: use bytes (123456), a size (300MiB, 1.5GB, 512m) or a percentage "
-                "of the weight bytes (50%)")
+                f"cannot read memory budget {text!r}: use bytes (123456), a size (300MiB, 1.5GB, 512m), a percentage "
+                "of the model's bytes (50%), or a sum of these (50%+384MiB)")
         value, unit = float(match.group(1)), match.group(2).lower()
     if unit == "%":
         if value <= 0:
@@ -97,6 +104,8 @@ class PartSizes:
     norm: int
     lm_head: int  # 0 when tied to the embeddings
     layers: list[int]
+    weight_bytes: int | None = None  # the model's weight bytes where ``embed`` counts less than the whole table
+    embed_rows: bool = False  # ``embed`` is the rows a context reads of a table that stays in the mapped file
     stored_layers: list[int] | None = None  # each layer's bytes as streaming reads them where that differs from its
     # size: a layer store's quantised blocks (`cats.model.weights.blocks`, fewer), a GGUF file's span of the layer
     # (aligned: a little more); None: the layers' own sizes
@@ -126,7 +135,17 @@ class PartSizes:
 
     @property
     def weights(self) -> int:
-        return self.always_resident + sum(self.layers)
+        return self.weight_bytes if self.weight_bytes is not None else self.always_resident + sum(self.layers)
+
+    def embed_rows_read(self, row_bytes: int, tokens: int) -> None:
+        """Plan the embedding table for the rows ``tokens`` tokens read (each row's pages) instead of the whole table:
+        for a table mapped from its file and not shared with the lm_head, a token reads only its row, and the kernel
+        reads (and charges) only those pages."""
+        if self.lm_head == 0 or self.embed_rows:
+            return
+        rows = tokens * (round_up(row_bytes) // STORE_ALIGNMENT + 1) * STORE_ALIGNMENT  # a row may cross a page
+        if rows < self.embed:
+            self.weight_bytes, self.embed, self.embed_rows = self.weights, rows, True
 
 
 @dataclass
@@ -144,6 +163,8 @@ class MemoryNeeds:
     # then reserves the largest speculation bucket that fits (max_tree_tokens), and the drafter picks among those
     pass_sizes: tuple[int, ...] = ()  # with speculation: the tokens of one pass of each bucket, the plan's candidates
     prefetch: int = DEFAULT_PREFETCH  # streamed layers read ahead of the one computing
+    runtime_bytes: int = 0  # the process's memory before any weight is read (interpreter, libraries, tokenizer), as
+    # measured when the budget is the whole process's (`cats.config.MemoryConfig.process`); 0: the budget is the model's
 
     def validate(self, num_layers: int) -> None:
         if self.context_tokens < 1:
@@ -237,7 +258,8 @@ class MemoryPlan:
 
     @property
     def planned_bytes(self) -> int:
-        return (self.parts.always_resident + self.needs.adapter_bytes + self.kv_bytes + self.activation_bytes
+        return (self.needs.runtime_bytes + self.parts.always_resident + self.needs.adapter_bytes + self.kv_bytes
+                + self.activation_bytes
                 + self.resident_layer_bytes + self.pool_bytes)
 
     def with_resident(self, resident: int) -> "MemoryPlan":
@@ -251,8 +273,10 @@ class MemoryPlan:
 
     def rows(self) -> list[tuple[str, int]]:
         parts = self.parts
-        head = "embeddings + lm_head (tied)" if parts.lm_head == 0 else "embeddings"
-        rows = [(head, parts.embed)]
+        head = ("embeddings + lm_head (tied)" if parts.lm_head == 0 else
+                "embeddings (rows read; table mapped)" if parts.embed_rows else "embeddings")
+        rows = [("runtime (measured before loading weights)", self.needs.runtime_bytes)] if self.needs.runtime_bytes else []
+        rows.append((head, parts.embed))
         if parts.lm_head:
             rows.append(("lm_head", parts.lm_head))
         rows += [("final norm", parts.norm), ("adapters", self.needs.adapter_bytes),

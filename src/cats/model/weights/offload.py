@@ -21,6 +21,7 @@ import torch
 
 from cats.errors import InvalidArgumentError
 from cats.model.identity import fingerprint_of, fingerprint_rows, model_fingerprint
+from cats.model.kernels.gguf_modules import GGUFRows
 from cats.model.weights.blocks import GGUFBlocks
 from cats.model.weights.budget import (
     DEFAULT_CONTEXT_TOKENS,
@@ -72,6 +73,9 @@ def _plan(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: list[i
     parts = PartSizes.of(hf_model)
     parts.stored_layers = stored_layers
     embed = hf_model.model.embed_tokens
+    if isinstance(embed, GGUFRows):  # a view of the mapped file: only the rows the context reads are ever in memory
+        parts.embed_rows_read(embed.blocks[0].numel() * embed.blocks.element_size(),
+                              needs.context_tokens + needs.max_tree_tokens)
     compute_dtype = getattr(embed, "compute_dtype", None)  # GGUF rows: float32 activations; else the weights' dtype
     itemsize = compute_dtype.itemsize if compute_dtype is not None else embed.weight.element_size()
     kv = kv_cache_bytes(config, itemsize, needs.context_tokens + needs.max_tree_tokens, needs.extra_cache_layers)
