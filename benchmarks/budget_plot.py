@@ -45,7 +45,7 @@ def main() -> None:
             print(f"| {budget} | {summary['memory_budget_mb']} | {name} | {tokens_per_s or 0:.2f} | {ratio} | "
                   f"{accepted} | {streamed if streamed else '–'} | {read} | {hidden} | {m.get('peak_rss_mb')} | "
                   f"{m.get('within_budget')} | {match} |")
-            series.setdefault(name, []).append((float(budget.rstrip("%")), tokens_per_s))
+            series.setdefault(name, []).append((float(budget.split("+")[0].rstrip("%")), tokens_per_s))
         for name, reason in summary.get("skipped", {}).items():
             print(f"| {budget} | {summary['memory_budget_mb']} | {name} | skipped: {reason} | | | | | | | | |")
     import matplotlib

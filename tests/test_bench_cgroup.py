@@ -78,9 +78,11 @@ def test_bench_runs_each_method_in_a_memory_cgroup(tmp_path):
 def test_several_limits_make_a_curve(tmp_path, monkeypatch):
     """One run per limit in its own folder, then tokens/s against the limit: curve.json, curve.md, the plot."""
     from cats.bench import curve as curve_module
-    from cats.bench.runner import BenchConfig
+    from cats.bench.runner import BenchConfig, NothingRanError
 
     def fake_run(config):
+        if config.memory_limit == "25%":
+            raise NothingRanError({"ar": "below the minimum", "pld": "below the minimum"}, 250.0)
         limit_mb = {"50%": 500.0, "100%": 1000.0}[config.memory_limit]
         methods = {"ar": {"tokens_per_s": limit_mb / 100, "exact_match": 1.0, "peak_memory_mb": limit_mb - 1}}
         skipped = {} if limit_mb > 600 else {"pld": "killed by the kernel's OOM killer"}
@@ -91,10 +93,12 @@ def test_several_limits_make_a_curve(tmp_path, monkeypatch):
 
     monkeypatch.setattr(curve_module, "run_bench", fake_run)
     config = BenchConfig(model="m.gguf", questions=tmp_path / "q.jsonl", out=tmp_path / "out", methods=["ar", "pld"])
-    result = curve_module.run_curve(config, ["50%", "100%"])
-    assert [p["limit_mb"] for p in result["points"]] == [500.0, 1000.0]
-    assert result["points"][0]["methods"] == {"ar": 5.0} and result["points"][1]["methods"]["pld"] == 20.0
+    result = curve_module.run_curve(config, ["25%", "50%", "100%"])  # nothing runs at 25 %: the curve goes on
+    assert [p["limit_mb"] for p in result["points"]] == [250.0, 500.0, 1000.0]
+    assert result["points"][0]["methods"] == {} and result["points"][0]["skipped"]["ar"] == "below the minimum"
+    assert result["points"][1]["methods"] == {"ar": 5.0} and result["points"][2]["methods"]["pld"] == 20.0
     table = (tmp_path / "out" / "curve.md").read_text()
+    assert "| 25% | 250 | – | – |" in table and "- 25%: `ar` did not run: below the minimum" in table
     assert "| [50%](limit-50pct/report.md) | 500 | 5.00 | – |" in table and "OOM killer" in table
     assert json.loads((tmp_path / "out" / "curve.json").read_text()) == result
     assert (tmp_path / "out" / "memory_curve.png").stat().st_size > 0

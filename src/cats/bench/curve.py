@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from cats.bench.plots import plot_memory_curve
-from cats.bench.runner import BenchConfig, run_bench, write_atomically
+from cats.bench.runner import BenchConfig, NothingRanError, run_bench, write_atomically
 
 CURVE_PLOT, CURVE_JSON, CURVE_REPORT = "memory_curve.png", "curve.json", "curve.md"
 
@@ -31,7 +31,12 @@ def run_curve(config: BenchConfig, limits: list[str]) -> dict:
     points = []
     summary = None
     for limit in limits:
-        summary = run_bench(replace(config, memory_limit=limit, out=out / limit_folder(limit)))
+        try:
+            summary = run_bench(replace(config, memory_limit=limit, out=out / limit_folder(limit)))
+        except NothingRanError as nothing:  # a point where no method runs: said, and the curve goes on
+            points.append({"limit": limit, "limit_mb": nothing.limit_mb, "folder": limit_folder(limit), "methods": {},
+                           "peak_memory_mb": {}, "exact_match": {}, "skipped": nothing.skipped})
+            continue
         points.append({
             "limit": limit, "limit_mb": summary["memory_limit_mb"], "folder": limit_folder(limit),
             "methods": {name: m["tokens_per_s"] for name, m in summary["methods"].items()},
@@ -39,8 +44,9 @@ def run_curve(config: BenchConfig, limits: list[str]) -> dict:
             "exact_match": {name: m["exact_match"] for name, m in summary["methods"].items()},
             "skipped": summary["skipped"],
         })
-    curve = {"model": summary["model"], "threads": summary["threads"], "questions": summary["questions"],
-             "max_new_tokens": summary["max_new_tokens"], "points": points}
+    curve = {"model": config.model, "threads": summary["threads"] if summary else config.threads,
+             "questions": summary["questions"] if summary else None, "max_new_tokens": config.max_new_tokens,
+             "points": points}
     temporary = out / f".{CURVE_PLOT}.tmp.png"
     if plot_memory_curve(curve, temporary):
         os.replace(temporary, out / CURVE_PLOT)
@@ -59,7 +65,8 @@ def render_curve(curve: dict, methods: list[str]) -> str:
         for name in methods:
             speed = point["methods"].get(name)
             cells.append(f"{speed:.2f}" if speed is not None else "–")
-        lines.append(f"| [{point['limit']}]({point['folder']}/report.md) | {point['limit_mb']:.0f} | "
+        link = f"[{point['limit']}]({point['folder']}/report.md)" if point["methods"] else point["limit"]
+        lines.append(f"| {link} | {point['limit_mb']:.0f} | "
                      + " | ".join(cells) + " |")
     notes = [f"- {point['limit']}: `{name}` did not run: {why}" for point in curve["points"]
              for name, why in point["skipped"].items()]

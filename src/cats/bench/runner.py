@@ -81,6 +81,16 @@ SUMMARY_FILE, REPORT_FILE = "summary.json", "report.md"
 TURN_MODES = ("first", "all")
 
 
+class NothingRanError(InvalidArgumentError):
+    """No requested method could run under the budget or limit; ``skipped`` says why for each (a point of a memory
+    curve where nothing runs)."""
+
+    def __init__(self, skipped: dict[str, str], limit_mb: float | None):
+        super().__init__("none of the requested methods can run under this budget: "
+                         + "; ".join(f"{name}: {why}" for name, why in skipped.items()))
+        self.skipped, self.limit_mb = skipped, limit_mb
+
+
 @dataclass
 class BenchConfig:
     model: str
@@ -383,8 +393,7 @@ def run_in_workers(config: BenchConfig, questions: list[Question], out: Path, mo
             if usage is not None:
                 measured[name]["cgroup"] = usage
         if not answers:
-            raise InvalidArgumentError("none of the requested methods can run under this budget: "
-                                       + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+            raise NothingRanError(skipped, round(limit / MIB, 1) if limit else None)
         for name in answers:
             finish_file(out / f"{name}.jsonl")
     finally:
