@@ -217,7 +217,7 @@ def test_cli_prints_the_plan_and_streaming_stats(capsys, monkeypatch):
     import cats.api
     from cats.cli import main
 
-    monkeypatch.setattr(cats.api, "current_rss_bytes", lambda: 300 << 20)
+    monkeypatch.setattr(cats.api, "anonymous_rss_bytes", lambda: 300 << 20)
 
     args = ["generate", "--model", str(STORIES), "--prompt", "Once upon a time", "--max-new-tokens", "12",
             "--method", "early-exit", "--draft-layer", "1", "-k", "2", "--json", "--stats"]

@@ -33,7 +33,7 @@ from cats.model.kernels.packing import check_packing
 from cats.model.source import config_folder, load_tokenizer, resolve_dtype
 from cats.model.weights.budget import parse_budget
 from cats.model.weights.offload import offload_model
-from cats.model.weights.rss import current_rss_bytes
+from cats.model.weights.rss import anonymous_rss_bytes
 from cats.prompts import check_token_ids, encode_prompt, encode_with
 
 
@@ -73,7 +73,7 @@ def prepare(model: str | os.PathLike | LayeredModel, method: str, drafting: Draf
     needs = memory_needs(config, torch_dtype, method, drafting, context_tokens=context_tokens,
                          prefetch=memory.prefetch, prompt_tokens=prompt_tokens)
     if memory.process:  # the budget is the process's: what it holds before any weight is read is planned for too
-        needs.runtime_bytes = current_rss_bytes() or 0
+        needs.runtime_bytes = anonymous_rss_bytes() or 0  # its file pages are the kernel's to reclaim (see rss.py)
     if not isinstance(model, LayeredModel):
         return load_model(model, dtype=torch_dtype, memory_budget=memory.budget, memory_needs=needs,
                           offload_io=memory.offload_io, layer_store=memory.layer_store, tokenizer=tokenizer,

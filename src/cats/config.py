@@ -125,8 +125,9 @@ class MemoryConfig:
     format it runs in, or a sum (``"50%+384MiB"``) (None: no budget); ``offload_io`` ``direct`` (O_DIRECT) or
     ``buffered``; ``prefetch`` streamed layers read ahead; ``layer_store``: where the layer store lives (default
     ``$CATS_CACHE/layers``). ``process``: the budget is the whole process's memory, as the kernel charges it (the
-    command line's ``--memory-budget``): what the process holds before any weight is read (its resident set when the
-    model is planned: interpreter, libraries, tokenizer) is measured and planned for too. False (the library's
+    command line's ``--memory-budget``): what the process holds before any weight is read (its anonymous memory when
+    the model is planned: interpreter, libraries' data, tokenizer) is measured and planned for too; the libraries'
+    file pages are left to the kernel, which drops the cold ones under a limit. False (the library's
     default, where the process may hold other things): the budget is the model's own memory, weights, KV cache,
     activations and buffers."""
 

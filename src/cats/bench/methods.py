@@ -39,7 +39,7 @@ from cats.model.kernels.packing import packing_off
 from cats.model.source import local_folder, resolve_dtype
 from cats.model.weights.budget import PartSizes, mib, parse_budget
 from cats.model.weights.offload import build_skeleton, plan_for
-from cats.model.weights.rss import bound_heap, current_rss_bytes
+from cats.model.weights.rss import anonymous_rss_bytes, bound_heap
 from cats.sampling import check_sampling
 from cats.verify.acceptance import check_acceptance, make_acceptance
 from cats.verify.cascade import SV_THRESHOLD
@@ -319,7 +319,7 @@ class HfOffloadMethod(HfGenerateMethod):
                              prompt_tokens=context.prompt_tokens)
         plan = plan_for(skeleton, max(budget, 10**15), needs)  # the same KV cache and activation estimates as ar
         # a worker's budget is the process's (as for CATS's methods): the runtime's share is measured and set aside
-        runtime = (current_rss_bytes() or 0) if context.process_memory else 0
+        runtime = (anonymous_rss_bytes() or 0) if context.process_memory else 0
         self.max_memory = budget - runtime - plan.kv_bytes - plan.activation_bytes
         if self.max_memory <= 0:
             raise MethodUnavailableError(f"{name}: the budget {mib(budget)} leaves nothing for weights after the "

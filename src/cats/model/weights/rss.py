@@ -56,6 +56,14 @@ def current_rss_bytes() -> int | None:
     return kib * 1024 if kib is not None else None
 
 
+def anonymous_rss_bytes() -> int | None:
+    """The process's resident anonymous memory (``RssAnon`` + ``RssShmem``): what the kernel cannot reclaim without
+    swap. Its resident file pages (libraries, mapped files) are left out: under a memory limit the kernel drops the
+    cold ones and reads them again if touched (counted as major faults)."""
+    anon, shmem = _status_kib("RssAnon"), _status_kib("RssShmem")
+    return (anon + (shmem or 0)) * 1024 if anon is not None else None
+
+
 def reset_peak_rss() -> bool:
     """Reset ``VmHWM`` to the current RSS; False where the kernel does not allow it."""
     try:
