@@ -18,6 +18,8 @@ import torch
 from cats.config import DraftConfig
 from cats.draft.base import Drafter
 from cats.draft.dytc import make_dytc
+from cats.draft.dytc.build import LOOKUP_TOKENS as DYTC_LOOKUP_TOKENS
+from cats.draft.dytc.build import RECYCLE_TOKENS as DYTC_RECYCLE_TOKENS
 from cats.draft.eagle import TOTAL_TOKENS as EAGLE_TOKENS
 from cats.draft.eagle import FeatureDrafter
 from cats.draft.early_exit import EarlyExitDrafter, default_draft_layer
@@ -307,6 +309,8 @@ def _dytc_needs(needs, config, itemsize, d):  # layer skipping only where every 
     needs.min_resident_layers = _draft_layers(layers, config, d) if layers else 1  # layer 0 times its cost model
     if d.total_tokens is not None:
         needs.max_tree_tokens = d.total_tokens + 1
+    elif d.adapters is None:  # lookup and recycling: their largest pass, a lookup chain grafted on a recycling tree
+        needs.max_tree_tokens = DYTC_LOOKUP_TOKENS + DYTC_RECYCLE_TOKENS + 1
     else:
         _speculation_needs(needs, "tree")
 
