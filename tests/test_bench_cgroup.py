@@ -71,6 +71,7 @@ def test_bench_runs_each_method_in_a_memory_cgroup(tmp_path):
     usage = ar["memory"]["cgroup"]
     assert 100 < ar["peak_memory_mb"] == usage["peak_memory_mb"] <= limit_mb
     assert usage["oom_kills"] == 0 and usage["major_faults"] >= 0 and ar["exact_match"] == 1.0
+    assert ar["memory"]["cached_at_start_mb"] < 16  # it started cold
     assert ar["memory"]["plan"]["parts_mb"]["runtime (measured before loading weights)"] > 50
     assert "## Under the memory limit" in (out / "report.md").read_text()
 

@@ -18,7 +18,10 @@ is charged too. The cgroup is the kernel's tool; which layers stay resident and 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +31,8 @@ from cats.errors import CatsError
 V2_ROOT = Path("/sys/fs/cgroup")
 V1_ROOT = Path("/sys/fs/cgroup/memory")
 MIB = 1 << 20
+PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if ctypes.util.find_library("c") else None
 
 
 class CgroupUnavailableError(CatsError):
@@ -100,8 +105,12 @@ class MemoryCgroup:
         return (self.path / name).read_text()
 
     def enter(self) -> None:
-        """Move the calling process into the group (as a ``preexec_fn``: the child joins before it runs anything)."""
+        """Move the calling process into the group (as a ``preexec_fn``: the child joins before it runs anything),
+        and have the kernel end it if the benchmark that started it dies (``PR_SET_PDEATHSIG``): an orphan left
+        mapping the model would keep its pages cached for every later run."""
         (self.path / "cgroup.procs").write_text(str(os.getpid()))
+        if _LIBC is not None:
+            _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
     def usage(self) -> CgroupUsage:
         stat = dict(line.split() for line in self._read("memory.stat").splitlines() if line.strip())

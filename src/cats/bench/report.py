@@ -97,14 +97,15 @@ def render_report(summary: dict, requested_methods: list[str] | None = None) -> 
                   "Charged as the kernel charges it: anonymous memory and the page cache the process touched "
                   "(a memory-mapped file included); no swap; each method started with the model file's pages "
                   "dropped.", "",
-                  "| method | tokens/s | peak charged MB | major faults | read from disk MB | OOM kills | exact match |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| method | tokens/s | peak charged MB | major faults | read from disk MB | OOM kills | exact match "
+                  "| cached at start MB |", "|---|---|---|---|---|---|---|---|"]
         for name, m in methods.items():
             measured = m.get("memory") or {}
             usage = measured.get("cgroup") or {}
             lines.append(f"| {name} | {_cell(m['tokens_per_s'], 2)} | {_cell(usage.get('peak_memory_mb'), 0)} "
                          f"| {_cell(usage.get('major_faults'))} | {_cell(measured.get('process_read_mb'), 0)} "
-                         f"| {_cell(usage.get('oom_kills'))} | {_percent(m['exact_match'])} |")
+                         f"| {_cell(usage.get('oom_kills'))} | {_percent(m['exact_match'])} "
+                         f"| {_cell(measured.get('cached_at_start_mb'), 0)} |")
     categories = list(dict.fromkeys(cat for m in methods.values() for cat in m["per_category"]))
     for category in categories:
         lines += ["", f"## {category}", "", "| method | tokens/s | speedup | speedup (aggregate) | mean accepted |",

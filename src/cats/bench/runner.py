@@ -70,7 +70,7 @@ from cats.model.kernels.packing import check_packing
 from cats.model.source import gguf_metadata, load_tokenizer, local_folder, resolve_dtype
 from cats.model.weights.budget import MIB, PartSizes, parse_budget
 from cats.model.weights.offload import build_skeleton, checkpoint_store
-from cats.model.weights.rss import evict_page_cache
+from cats.model.weights.rss import evict_page_cache, page_cache_bytes
 from cats.model.weights.rss import runtime_baseline as measure
 from cats.paths import IMPORT_ROOT
 from cats.prompts import Question, read_questions, select_questions
@@ -353,6 +353,10 @@ def run_in_workers(config: BenchConfig, questions: list[Question], out: Path, mo
                                  "cgroup, the kernel's limit), not under --memory-budget alone")
                 continue
             evict_page_cache(weight_files)  # every method starts cold
+            warm = page_cache_bytes(weight_files)  # pages another process keeps mapped cannot be dropped
+            if warm > 16 * MIB:
+                print(f"cats bench: warning: {warm / MIB:.0f} MiB of the model files stay in the page cache before "
+                      f"{name} (another process maps them?); its run does not start cold", file=sys.stderr)
             if config.progress:
                 held = f"a memory limit of {config.memory_limit} ({limit / MIB:.1f} MiB, a cgroup)" if limit else (
                     f"a memory budget of {process_budget} ({budget / MIB:.1f} MiB)")
@@ -390,6 +394,7 @@ def run_in_workers(config: BenchConfig, questions: list[Question], out: Path, mo
             acceptance[name] = outcome["acceptance"]
             measured[name] = {key: outcome.get(key) for key in ("plan", "storage_read_mb", "page_cache_mb",
                                                                 "process_read_mb")}
+            measured[name]["cached_at_start_mb"] = round(warm / MIB, 1)
             if usage is not None:
                 measured[name]["cgroup"] = usage
         if not answers:
