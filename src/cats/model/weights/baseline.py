@@ -1,5 +1,5 @@
 """The runtime baseline, measured in a fresh process: ``python -m cats.model.weights.baseline MODEL [THREADS]`` prints
-``{"peak_rss_mb", "rss_mb"}`` after importing torch, transformers and CATS, reading the tokenizer, building the
+``{"peak_rss_mb", "rss_mb", "anonymous_mb"}`` after importing torch, transformers and CATS, reading the tokenizer, building the
 weightless model skeleton and running one small matrix product and attention call (see `cats.model.weights.rss`)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 from cats.model.source import config_folder, load_tokenizer
 from cats.model.weights.offload import build_skeleton
-from cats.model.weights.rss import MIB, current_rss_bytes, peak_rss_bytes
+from cats.model.weights.rss import MIB, anonymous_rss_bytes, current_rss_bytes, peak_rss_bytes
 
 
 def measure_baseline(model: str, threads: int | None = None) -> dict:
@@ -26,7 +26,8 @@ def measure_baseline(model: str, threads: int | None = None) -> dict:
     x = torch.randn(1, 4, 64, 64)
     torch.nn.functional.linear(x, torch.randn(64, 64))
     torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=torch.zeros(64, 64))
-    return {"peak_rss_mb": round(peak_rss_bytes() / MIB, 1), "rss_mb": round(current_rss_bytes() / MIB, 1)}
+    return {"peak_rss_mb": round(peak_rss_bytes() / MIB, 1), "rss_mb": round(current_rss_bytes() / MIB, 1),
+            "anonymous_mb": round(anonymous_rss_bytes() / MIB, 1)}
 
 
 if __name__ == "__main__":
