@@ -7,6 +7,7 @@ from cats.bench.llama_server import LLAMA_SERVER_METHODS, LlamaServerMethod
 from cats.bench.methods import (
     HF_METHODS,
     LLAMA_CPP_METHODS,
+    NEEDS_LIMIT,
     OFFLOAD_METHODS,
     UNBUDGETED,
     BenchContext,
@@ -45,8 +46,7 @@ def make_method(name: str, context: BenchContext) -> BenchMethod:
     if context.memory_budget is not None and name in HF_METHODS + LLAMA_CPP_METHODS:
         raise MethodUnavailableError(UNBUDGETED.format(name=name))
     if context.memory_budget is not None and name in LLAMA_SERVER_METHODS and context.cgroup is None:
-        raise MethodUnavailableError(f"{name} has no memory planner of its own: it runs under --memory-limit (a "
-                                     "memory cgroup, the kernel's limit), not under --memory-budget alone")
+        raise MethodUnavailableError(NEEDS_LIMIT.format(name=name))
     if name in CATS_METHODS:
         return CatsMethod(name, context)
     if name in HF_METHODS:

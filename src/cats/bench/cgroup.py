@@ -32,7 +32,8 @@ V2_ROOT = Path("/sys/fs/cgroup")
 V1_ROOT = Path("/sys/fs/cgroup/memory")
 MIB = 1 << 20
 PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if ctypes.util.find_library("c") else None
+_LIBC_NAME = ctypes.util.find_library("c")
+_LIBC = ctypes.CDLL(_LIBC_NAME, use_errno=True) if _LIBC_NAME else None
 
 
 class CgroupUnavailableError(CatsError):

@@ -38,6 +38,7 @@ from cats.bench.methods import (
 )
 from cats.model.layered import eos_token_ids
 from cats.model.source import config_folder, load_tokenizer
+from cats.model.weights.rss import storage_read_bytes
 
 LLAMA_SERVER_METHODS = ("llama-server", "llama-server-ngram")
 NGRAM_MODE = "ngram-simple"  # llama.cpp's draft-free speculation mode for llama-server-ngram (see docs/benchmarks.md)
@@ -166,15 +167,7 @@ class LlamaServerMethod(BenchMethod):
     def storage_read_bytes(self) -> int | None:
         """Bytes the server caused to be read from storage so far (``/proc/PID/io``), loading included."""
         process = getattr(self, "process", None)
-        if process is None or process.poll() is not None:
-            return None
-        try:
-            for line in Path(f"/proc/{process.pid}/io").read_text().splitlines():
-                if line.startswith("read_bytes:"):
-                    return int(line.split()[1])
-        except OSError:
-            return None
-        return None
+        return storage_read_bytes(process.pid) if process is not None and process.poll() is None else None
 
     def own_peak_rss_mb(self) -> float | None:
         """The server's VmHWM (peak resident set, as the kernel counts it), read while it runs."""

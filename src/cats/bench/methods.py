@@ -48,6 +48,8 @@ HF_METHODS = ("hf-ar", "hf-pld", "hf-early-exit")
 OFFLOAD_METHODS = ("hf-offload",)
 UNBUDGETED = ("{name} holds the whole model in memory and cannot run under --memory-budget (hf-offload is "
               "transformers' own offloading under the budget)")
+NEEDS_LIMIT = ("{name} has no memory planner of its own: it runs under --memory-limit (a memory cgroup, the "
+               "kernel's limit), not under --memory-budget alone")
 LLAMA_CPP_METHODS = ("llama-cpp", "llama-cpp-pld")
 DEFAULT_PLD_TOKENS = 10  # the defaults of `cats.methods.make_drafter`, used for the baselines' equivalents too
 DEFAULT_EARLY_EXIT_TOKENS = 4

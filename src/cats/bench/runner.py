@@ -46,6 +46,7 @@ from cats.bench.memory import PeakRssSampler
 from cats.bench.methods import (
     HF_METHODS,
     LLAMA_CPP_METHODS,
+    NEEDS_LIMIT,
     UNBUDGETED,
     BenchContext,
     BenchMethod,
@@ -190,6 +191,21 @@ def answer_question(method: BenchMethod, question: Question, tokenizer, config: 
         answer["error"] = f"{type(error).__name__}: {error}"
     answer["tstamp"] = time.time()
     return answer
+
+
+def answer_alone(method: BenchMethod, name: str, questions: list[Question], tokenizer, config: BenchConfig,
+                 model_id: str, writer: AnswerWriter, progress: bool) -> None:
+    """Every question in turn by one method alone in its process (a budgeted run's worker, or a server under the
+    limit), each answer written as it comes; failures and progress on stderr."""
+    start = time.perf_counter()
+    for number, question in enumerate(questions, start=1):
+        answer = answer_question(method, question, tokenizer, config, model_id)
+        if answer["error"]:
+            print(f"cats bench: {name} failed on question {question.question_id}: {answer['error']}", file=sys.stderr)
+        writer.write(answer)
+        if progress:
+            print(f"cats bench: {name} {number}/{len(questions)} ({time.perf_counter() - start:.0f} s)",
+                  file=sys.stderr, flush=True)
 
 
 def run_bench(config: BenchConfig) -> dict:
@@ -349,8 +365,7 @@ def run_in_workers(config: BenchConfig, questions: list[Question], out: Path, mo
                 skipped[name] = UNBUDGETED.format(name=name)
                 continue
             if name in LLAMA_SERVER_METHODS and limit is None:
-                skipped[name] = (f"{name} has no memory planner of its own: it runs under --memory-limit (a memory "
-                                 "cgroup, the kernel's limit), not under --memory-budget alone")
+                skipped[name] = NEEDS_LIMIT.format(name=name)
                 continue
             evict_page_cache(weight_files)  # every method starts cold
             warm = page_cache_bytes(weight_files)  # pages another process keeps mapped cannot be dropped
@@ -435,16 +450,7 @@ def run_server(name: str, config: BenchConfig, questions: list[Question], tokeni
     try:
         for _ in range(config.warmup):
             answer_question(method, questions[0], tokenizer, config, model_id)
-        start = time.perf_counter()
-        for number, question in enumerate(questions, start=1):
-            answer = answer_question(method, question, tokenizer, config, model_id)
-            if answer["error"]:
-                print(f"cats bench: {name} failed on question {question.question_id}: {answer['error']}",
-                      file=sys.stderr)
-            writer.write(answer)
-            if config.progress:
-                print(f"cats bench: {name} {number}/{len(questions)} ({time.perf_counter() - start:.0f} s)",
-                      file=sys.stderr, flush=True)
+        answer_alone(method, name, questions, tokenizer, config, model_id, writer, config.progress)
         read = method.storage_read_bytes()
         result = {"peak_rss_mb": method.own_peak_rss_mb(), "settings": method.describe(),
                   "acceptance": method.acceptance, "plan": None, "storage_read_mb": None, "page_cache_mb": None,

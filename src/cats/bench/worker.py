@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 from cats.api import prepare, quiet_transformers
@@ -24,7 +23,7 @@ from cats.bench.methods import (
     MethodUnavailableError,
     SamplingSettings,
 )
-from cats.bench.runner import BenchConfig, answer_question
+from cats.bench.runner import BenchConfig, answer_alone, answer_question
 from cats.config import DraftConfig, KernelConfig, MemoryConfig
 from cats.errors import CatsError
 from cats.methods import METHODS as CATS_METHODS
@@ -74,16 +73,8 @@ def run_job(job: dict) -> dict:
     try:
         for _ in range(config.warmup):
             answer_question(method, questions[0], tokenizer, config, job["model_id"])
-        read_before, start = storage_read_bytes(), time.perf_counter()
-        for number, question in enumerate(questions, start=1):
-            answer = answer_question(method, question, tokenizer, config, job["model_id"])
-            if answer["error"]:
-                print(f"cats bench: {name} failed on question {question.question_id}: {answer['error']}",
-                      file=sys.stderr)
-            writer.write(answer)
-            if job.get("progress"):
-                print(f"cats bench: {name} {number}/{len(questions)} ({time.perf_counter() - start:.0f} s)",
-                      file=sys.stderr, flush=True)
+        read_before = storage_read_bytes()
+        answer_alone(method, name, questions, tokenizer, config, job["model_id"], writer, bool(job.get("progress")))
         read_after = storage_read_bytes()
         if isinstance(method, CatsMethod) and model.weights is not None:
             cached = page_cache_bytes(model.weights.store_files())

@@ -74,10 +74,10 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def storage_read_bytes() -> int | None:
-    """Bytes this process caused to be read from storage (``/proc/self/io`` ``read_bytes``)."""
+def storage_read_bytes(pid: int | str = "self") -> int | None:
+    """Bytes a process (this one by default) caused to be read from storage (``/proc/PID/io`` ``read_bytes``)."""
     try:
-        with open("/proc/self/io") as handle:
+        with open(f"/proc/{pid}/io") as handle:
             for line in handle:
                 if line.startswith("read_bytes:"):
                     return int(line.split()[1])
