@@ -97,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", default="2,3,4,6,12,15,18")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--draft-vocab", type=int, default=8192)
-    parser.add_argument("--decode-dtype", default="bfloat16")
+    parser.add_argument("--block", choices=("decoder", "attention"), default="decoder",
+                        help="adapter block: decoder (attention + MLP) or attention only")
+    parser.add_argument("--decode-dtype", default="bfloat16",
+                        help="dtype of the timed model (float32 runs a GGUF file on its own blocks)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         folder = args.out / f"layer-{layer}"
         config = TrainConfig(role="draft", layer=layer, out=folder, max_steps=args.steps, draft_vocab=args.draft_vocab,
-                             eval_every=0, checkpoint_every=0, progress=False)
+                             block=args.block, eval_every=0, checkpoint_every=0, progress=False)
         started = time.perf_counter()
         train_adapter(train_model, data, config, eval_data=eval_data)
         train_s = time.perf_counter() - started
@@ -138,8 +141,8 @@ def write_report(results: dict, args) -> None:
     import matplotlib.pyplot as plt
 
     layers = sorted(results, key=int)
-    lines = [f"Each layer: an adapter trained for {args.steps} steps on the same data and settings (draft vocabulary "
-             f"{args.draft_vocab}); agreement on the held-out set; step cost in {args.decode_dtype}, "
+    lines = [f"Each layer: an adapter ({args.block} block) trained for {args.steps} steps on the same data and "
+             f"settings (draft vocabulary {args.draft_vocab}); agreement on the held-out set; step cost in {args.decode_dtype}, "
              f"{args.threads} threads, one token after a 64-token context.", "",
              "| layer | agreement | overlap | E[accepted] gamma 6 | draft step ms | full forward ms | cost ratio |",
              "|---|---|---|---|---|---|---|"]

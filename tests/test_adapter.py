@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from cats.draft import EarlyExitDrafter
 from cats.model.adapter import AdapterError, find_adapter, load_adapter, new_adapter
@@ -28,6 +29,14 @@ def test_save_load_roundtrip_and_identity_checks(llama, tmp_path):
     hidden = torch.randn(1, 7, 64, dtype=torch.float64)
     assert torch.equal(loaded.logits(loaded(hidden, attention_mask=None)), adapter.logits(adapter(hidden, attention_mask=None)))
     assert set(dict(loaded.named_parameters())) == {n for n, _ in adapter.named_parameters()}  # no target weights
+    # stored in bfloat16: half the bytes, loaded back into the model's dtype as the rounded weights
+    adapter.save(tmp_path / "half", dtype=torch.bfloat16)
+    stored = load_file(tmp_path / "half" / "model.safetensors")
+    assert {t.dtype for t in stored.values()} == {torch.bfloat16}
+    half = load_adapter(tmp_path / "half", llama)
+    for name, weight in adapter.state_dict().items():
+        assert half.state_dict()[name].dtype == torch.float64
+        assert torch.equal(half.state_dict()[name], weight.to(torch.bfloat16).double())
     other = tiny_model("llama", seed=5)
     with pytest.raises(AdapterError, match=r"trained for model 'tiny-llama' \(fingerprint \w+\), not for 'tiny-llama' \(fingerprint"):
         load_adapter(tmp_path / "draft", other)

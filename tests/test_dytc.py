@@ -405,6 +405,12 @@ def test_dytc_method_calibrates_once_and_reports(tmp_path, monkeypatch):
     assert list(with_adapter.options)[-2:] == ["draft-adapter", "draft-tree"] and with_adapter.cache_layers == 1
     result = Generator(model, with_adapter).generate(prompt, GenerationConfig(max_new_tokens=30))
     assert result.token_ids == hf_greedy(model, prompt, 30)
+    # dytc-free: the same scheduler without the adapters, even where a run passes them to the other methods
+    free = make_drafter("dytc-free", model, DraftConfig(num_draft_tokens=5))
+    assert list(free.options) == list(drafter.options) and free.cache_layers == 0
+    with pytest.raises(InvalidArgumentError, match="--adapters does not apply to 'dytc-free'"):
+        make_drafter("dytc-free", model, DraftConfig(adapters=str(tmp_path / "adapters")))
+    assert Generator(model, free).generate(prompt, GenerationConfig(max_new_tokens=30)).token_ids == result.token_ids
     with pytest.raises(InvalidArgumentError, match="--sparsity applies to layer-skip and dytc"):
         make_drafter("pld", model, DraftConfig(sparsity=0.4))
     with pytest.raises(InvalidArgumentError, match="layer-skip takes one sparsity"):

@@ -143,6 +143,56 @@ def test_a_run_writes_the_documented_files(finished_run, model):
         assert tensors["prompt_index"].tolist() == [first, first, first + 1, first + 1]
 
 
+def test_sharegpt_given_answer_is_the_assistant_turn_right_after_the_prompt(tmp_path):
+    path = tmp_path / "chats.json"
+    path.write_text(json.dumps([
+        {"conversations": [{"from": "human", "value": "q1"}, {"from": "gpt", "value": "a1"},
+                           {"from": "human", "value": "q2"}, {"from": "gpt", "value": "a2"}]},
+        {"conversations": [{"from": "human", "value": "q3"}, {"from": "human", "value": "q4"}]},
+        {"conversations": [{"from": "user", "value": "q5"}, {"from": "assistant", "value": "  "}]},
+        {"conversations": [{"from": "gpt", "value": "a0"}, {"from": "human", "value": "q6"},
+                           {"from": "assistant", "value": "a6"}]},
+    ]))
+    prompts = read_prompt_file(path)
+    assert prompts.texts == ["q1", "q3", "q5", "q6"] and prompts.answers == ["a1", None, None, "a6"]
+
+
+def test_given_answers_are_teacher_forced_with_their_features_from_the_same_forward(model, tmp_path):
+    path = tmp_path / "given.json"
+    answers = ["Once upon a time there was a cat", None, "The dog ran home"]
+    path.write_text(json.dumps([
+        {"conversations": [{"from": "human", "value": prompt}] + ([{"from": "gpt", "value": answer}] if answer else [])}
+        for prompt, answer in zip(STORY_PROMPTS, answers)]))
+    settings = config(tmp_path, prompts=path, limit=3, samples_per_prompt=1, temperature=0.0, answers="given",
+                      features=True)
+    meta = make_training_data(model, settings)
+    assert meta["answers"] == "given" and meta["features"] is True
+    assert [s["prompt"] for s in meta["skipped_prompts"]] == [1]
+    data = TrainingData.open(tmp_path / "data", model=model)
+    assert data.num_samples == 2 and data.has_features
+    for i, answer in enumerate(answers[::2]):
+        sample = data.sample(i, features=True)
+        ids, prompt_length = sample["input_ids"], sample["prompt_length"]
+        expected_answer = model.tokenizer(answer, add_special_tokens=False)["input_ids"][: settings.max_new_tokens]
+        assert ids[prompt_length:].tolist() == expected_answer  # the given text, not a generated one
+        with torch.no_grad():
+            final = model.forward_layers(model.embed(ids), 0, model.num_layers, model.new_cache())
+            expected = model.decoder.norm(final)[0]
+        torch.testing.assert_close(sample["features"].double(), expected, atol=1e-2, rtol=1e-2)
+    # given answers take one teacher-forced sample per prompt: sampling settings are refused, not ignored
+    with pytest.raises(InvalidArgumentError, match="--answers given"):
+        make_training_data(model, config(tmp_path, out="other", prompts=path, answers="given"))
+    without = tmp_path / "prompts-only.json"
+    sharegpt_file(without)
+    entries = json.loads(without.read_text())
+    for entry in entries:
+        entry["conversations"] = entry["conversations"][:2]
+    without.write_text(json.dumps(entries))
+    with pytest.raises(InvalidArgumentError, match="holds no assistant turn"):
+        make_training_data(model, config(tmp_path, out="none", prompts=without, samples_per_prompt=1,
+                                         temperature=0.0, answers="given"))
+
+
 def test_stored_states_are_the_layered_forward_of_the_unpadded_sequence(finished_run, model):
     data = TrainingData.open(finished_run[0] / "data", model=model)
     assert data.num_samples == 12 and len(list(data)) == 12
@@ -223,7 +273,7 @@ def test_a_killed_run_resumes_without_redoing_shards_and_gives_the_same_data(mod
 
     make_shard = train_data._make_shard
     monkeypatch.setattr(train_data, "_write_shard", write_shard)
-    monkeypatch.setattr(train_data, "_make_shard", lambda *a: made.append(a[3].start) or make_shard(*a))
+    monkeypatch.setattr(train_data, "_make_shard", lambda *a: made.append(a[4].start) or make_shard(*a))
     make_training_data(model, config(tmp_path))
     assert made == [2, 4]  # shard 0 (prompts 0-1) was not made again
     assert_same_data(tmp_path / "data", finished_run[0] / "data")

@@ -161,6 +161,13 @@ def _dytc(model, d: DraftConfig, threshold, progress):
                      depth=bucket.depth if d.depth is None else d.depth, progress=progress)
 
 
+def _dytc_free(model, d: DraftConfig, threshold, progress):
+    if d.adapters is not None:
+        raise InvalidArgumentError("--adapters does not apply to 'dytc-free' (it schedules the training-free drafters "
+                                   "only); use dytc to add the adapters")
+    return _dytc(model, d, threshold, progress)
+
+
 def _eagle(model, d: DraftConfig, threshold, progress):
     """The feature draft adapter of ``adapters`` (``DIR/feature/`` or an adapter folder itself), EAGLE-style."""
     if d.adapters is None:
@@ -338,6 +345,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("dytc", "scheduler over prompt lookup, token recycling, layer skipping and, with --adapters, the draft "
            "adapter", _dytc, _dytc_needs, frozenset({"num_draft_tokens", "max_ngram", "adapters", "tree_topk",
                                                       "total_tokens", "depth", "sparsity"})),
+    Method("dytc-free", "dytc over the training-free drafters only (prompt lookup, token recycling, layer "
+           "skipping): the baseline of the adapter methods", _dytc_free, _dytc_needs,
+           frozenset({"num_draft_tokens", "max_ngram", "tree_topk", "total_tokens", "depth", "sparsity"})),
     Method("eagle", "trees from the feature draft adapter in --adapters, which reads the target's final features; "
            "chain: --tree-topk 1", _eagle, _eagle_needs,
            frozenset({"adapters", "threshold", "tree_topk", "total_tokens", "depth"}), CONFIDENCE_STOP),

@@ -4,8 +4,9 @@
   (a non-empty list of strings). Every problem is reported with the file and the line number.
 * Prompt files (training data, calibration), told apart by content, not by file name:
   ShareGPT JSON, a list of ``{"conversations": [{"from": "human" | "gpt" | ..., "value": "..."}, ...]}`` whose
-  prompt is the first human (or ``user``) turn (an entry without one has no prompt, ``None``); or a question file,
-  whose prompt is each question's first turn.
+  prompt is the first human (or ``user``) turn (an entry without one has no prompt, ``None``) and whose given answer,
+  if any, is the assistant (``gpt`` or ``assistant``) turn right after it; or a question file, whose prompt is each
+  question's first turn (no given answers).
 * Encoding: text to token ids, as one user message through the chat template with ``chat=True``.
 """
 
@@ -86,6 +87,7 @@ def select_questions(
 SHAREGPT = "sharegpt"
 QUESTIONS = "questions"
 HUMAN_ROLES = ("human", "user")
+ASSISTANT_ROLES = ("gpt", "assistant")
 EXPECTED = ('expected ShareGPT JSON (a list of {"conversations": [{"from": ..., "value": ...}]}) or Spec-Bench / '
             'MT-Bench JSON lines (one {"question_id": ..., "turns": [...]} object per line)')
 
@@ -98,6 +100,7 @@ class PromptFile:
     format: str  # SHAREGPT or QUESTIONS
     texts: list[str | None]
     sha256: str  # of the file's bytes: data made from another version of the file is not resumed
+    answers: list[str | None] | None = None  # ShareGPT: the assistant turn after each prompt (None where there is none)
 
 
 def read_prompt_file(path: str | Path) -> PromptFile:
@@ -114,7 +117,8 @@ def read_prompt_file(path: str | Path) -> PromptFile:
         raise InvalidArgumentError(f"prompt file {str(path)!r} is not UTF-8 text; {EXPECTED}") from None
     start = text.lstrip()[:1]
     if start == "[":
-        return PromptFile(path, SHAREGPT, _sharegpt_prompts(path, text), digest)
+        prompts, answers = _sharegpt_turns(path, text)
+        return PromptFile(path, SHAREGPT, prompts, digest, answers)
     if start == "{" and _first_line_has_turns(text):
         return PromptFile(path, QUESTIONS, [question.turns[0] for question in read_questions(path)], digest)
     raise InvalidArgumentError(f"prompt file {str(path)!r} is in neither known format: {EXPECTED}")
@@ -129,7 +133,8 @@ def _first_line_has_turns(text: str) -> bool:
     return isinstance(record, dict) and "turns" in record
 
 
-def _sharegpt_prompts(path: Path, text: str) -> list[str | None]:
+def _sharegpt_turns(path: Path, text: str) -> tuple[list[str | None], list[str | None]]:
+    """Each entry's first human turn and the assistant turn right after it (None where missing or blank)."""
     try:
         entries = json.loads(text)
     except json.JSONDecodeError as error:
@@ -137,20 +142,26 @@ def _sharegpt_prompts(path: Path, text: str) -> list[str | None]:
                                    f"(line {error.lineno}: {error.msg})") from None
     if not isinstance(entries, list) or not entries:
         raise InvalidArgumentError(f"prompt file {str(path)!r} holds no prompts; {EXPECTED}")
-    prompts = []
+    prompts, answers = [], []
     for number, entry in enumerate(entries):
         where = f"{path}, entry {number}"
         if not isinstance(entry, dict) or not isinstance(entry.get("conversations"), list):
             raise InvalidArgumentError(f"{where}: expected an object with a 'conversations' list; {EXPECTED}")
-        prompt = None
-        for turn in entry["conversations"]:
+        prompt = answer = None
+        turns = entry["conversations"]
+        for index, turn in enumerate(turns):
             if not isinstance(turn, dict) or not all(isinstance(turn.get(key), str) for key in ("from", "value")):
                 raise InvalidArgumentError(f"{where}: every conversation turn needs string 'from' and 'value'")
+        for index, turn in enumerate(turns):
             if turn["from"].lower() in HUMAN_ROLES:
                 prompt = turn["value"] if turn["value"].strip() else None
+                after = turns[index + 1] if index + 1 < len(turns) else None
+                if prompt is not None and after is not None and after["from"].lower() in ASSISTANT_ROLES:
+                    answer = after["value"] if after["value"].strip() else None
                 break
         prompts.append(prompt)
-    return prompts
+        answers.append(answer)
+    return prompts, answers
 
 
 def chat_prompt_ids(model, text: str, max_tokens: int) -> tuple[list[int] | None, bool]:

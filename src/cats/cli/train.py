@@ -13,9 +13,9 @@ from cats.errors import InvalidArgumentError
 from cats.model import load_model
 from cats.model.adapter import BLOCKS, INITS, INPUTS, ROLES
 from cats.paths import default_model
-from cats.train.data import DataConfig, make_features, make_training_data
+from cats.train.data import ANSWERS, DataConfig, make_features, make_training_data
 from cats.train.folder import TrainingData
-from cats.train.trainer import TrainConfig, train_adapter
+from cats.train.trainer import SAVE_DTYPES, TrainConfig, train_adapter
 
 
 def add_train_parser(commands) -> None:
@@ -62,6 +62,13 @@ def add_data_parser(subparsers) -> None:
     data.add_argument("--batch-size", type=integer, default=8, help="answers generated together (default 8)")
     data.add_argument("--shard-prompts", type=integer, default=64, help="prompts per shard (default 64)")
     data.add_argument("--seed", type=integer, default=0, help="sampling seed (default 0)")
+    data.add_argument("--answers", choices=ANSWERS, default="generate",
+                      help="generate (default): the target answers each prompt (self-distillation); given: "
+                      "teacher-force the assistant turn a ShareGPT file holds after each prompt (one prefill per "
+                      "sample, much faster on a CPU)")
+    data.add_argument("--features", action="store_true",
+                      help="also store the final features of every position from the same forward (what feature "
+                      "adapters train on; saves a `cats train features` pass)")
     data.add_argument("--no-progress", action="store_true", help="no progress bar (per-shard lines still print)")
     data.set_defaults(run=run_data_command)
 
@@ -90,7 +97,8 @@ def run_data_command(args: argparse.Namespace) -> int:
         prompts=args.prompts, out=args.out, layers=parse_layers(args.layers), max_new_tokens=args.max_new_tokens,
         max_prompt_tokens=args.max_prompt_tokens, samples_per_prompt=args.samples_per_prompt,
         temperature=args.temperature, top_k=args.top_k, limit=args.limit, batch_size=args.batch_size,
-        shard_prompts=args.shard_prompts, seed=args.seed, progress=not args.no_progress,
+        shard_prompts=args.shard_prompts, seed=args.seed, progress=not args.no_progress, answers=args.answers,
+        features=args.features,
     )
     model = load_model(args.model or default_model(), dtype=args.dtype, kernels=args.kernels)
     make_training_data(model, config)
@@ -126,6 +134,8 @@ def add_adapter_parser(subparsers) -> None:
     parser.add_argument("--draft-vocab", type=integer, default=None,
                         help="reduced vocabulary: the N most frequent response tokens of the data (e.g. 8192)")
     parser.add_argument("--eval-every", type=integer, default=0, help="held-out evaluation every N steps (and each epoch)")
+    parser.add_argument("--save-dtype", choices=SAVE_DTYPES, default="float32",
+                        help="dtype of the stored adapter weights (bfloat16: half the bytes; default float32)")
     parser.add_argument("--checkpoint-every", type=integer, default=200)
     parser.add_argument("--max-steps", type=integer, default=None)
     parser.add_argument("--seed", type=integer, default=0)
@@ -145,7 +155,7 @@ def run_adapter_command(args: argparse.Namespace) -> int:
         role=args.role, layer=args.layer, out=args.out, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
         warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, position_fraction=args.position_fraction,
         init=args.init, block=args.block, draft_vocab=args.draft_vocab, eval_every=args.eval_every,
-        input=args.input, feature_loss=args.feature_loss,
+        input=args.input, feature_loss=args.feature_loss, save_dtype=args.save_dtype,
         checkpoint_every=args.checkpoint_every, max_steps=args.max_steps, seed=args.seed,
         tensorboard=args.tensorboard, progress=not args.no_progress, command="cats " + " ".join(sys.argv[1:]),
     )

@@ -282,10 +282,13 @@ class Adapter(nn.Module):
         return indices if self.vocab_ids is None else self.vocab_ids.to(indices.device)[indices]
 
     # ------------------------------------------------------------------ files
-    def save(self, folder: str | Path) -> Path:
+    def save(self, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
+        """Write the folder; ``dtype`` stores the float tensors in another dtype (e.g. bfloat16, half the bytes;
+        loading converts them to the model's dtype)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        state = {name: tensor.detach().contiguous().cpu() for name, tensor in self.state_dict().items()}
+        state = {name: (tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor)
+                 .detach().contiguous().cpu() for name, tensor in self.state_dict().items()}
         save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
         (folder / "config.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
         return folder

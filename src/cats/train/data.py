@@ -6,6 +6,12 @@ its reader are in `cats.train.folder`, the answers and teacher forcing of each s
 Every stored state comes from a teacher-forced forward of the UNPADDED sequence through `LayeredModel`, so it is
 exactly what ``forward_layers(embed(ids), 0, L, cache)`` gives; only the answers come from batched generation.
 
+Answers: ``generate`` (self-distillation: the target answers each prompt; decoding, slow on a CPU) or ``given``
+(the assistant turn a ShareGPT file holds after each prompt, teacher-forced: one prefill per sample, several times
+faster; the targets are still the target's own next-token distribution at every position, only the text it reads is
+not its own). ``features=True`` also writes each shard's final features (`cats.train.folder.features_name`) from the
+same forward, so feature adapters need no second pass (`make_features`).
+
 Resuming: shards and ``meta.json`` are written under temporary names and renamed, ``meta.json`` after every shard.
 A rerun with the same settings skips the shards listed in ``meta.json`` (a killed run loses at most the shard in
 progress). ``--limit`` may grow on a rerun (the data is extended; a last, partial shard is made again for its full
@@ -44,8 +50,11 @@ HIDDEN_DTYPE = "bfloat16"
 # prompt file by content, so a moved model or prompt file does not block a resume)
 SETTINGS_CHECKED_ON_RESUME = (
     "dtype", "layers", "top_k", "hidden_dtype", "prompts_sha256", "prompt_format", "max_new_tokens",
-    "max_prompt_tokens", "samples_per_prompt", "temperature", "seed", "shard_prompts",
+    "max_prompt_tokens", "samples_per_prompt", "temperature", "seed", "shard_prompts", "answers", "features",
 )
+# values of settings added later, for folders whose meta.json predates them
+SETTING_DEFAULTS = {"answers": "generate", "features": False}
+ANSWERS = ("generate", "given")
 
 
 @dataclass
@@ -65,6 +74,8 @@ class DataConfig:
     shard_prompts: int = 64
     seed: int = 0
     progress: bool = True
+    answers: str = "generate"  # "generate" (the target answers) or "given" (the file's assistant turns, teacher-forced)
+    features: bool = False  # also store the final features of every position (for feature adapters)
 
     def validate(self, model) -> None:
         """Raise `InvalidArgumentError` for any setting this model cannot be run with."""
@@ -80,6 +91,11 @@ class DataConfig:
             raise InvalidArgumentError(f"--seed must be a non-negative integer, got {self.seed!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidArgumentError(f"--temperature must be 0 (greedy) or positive, got {self.temperature!r}")
+        if self.answers not in ANSWERS:
+            raise InvalidArgumentError(f"--answers must be one of {', '.join(ANSWERS)}, got {self.answers!r}")
+        if self.answers == "given" and (self.samples_per_prompt != 1 or self.temperature != 0):
+            raise InvalidArgumentError("--answers given teacher-forces the one answer the file holds per prompt: it "
+                                       "takes neither --samples-per-prompt above 1 nor --temperature")
         if self.temperature == 0 and self.samples_per_prompt > 1:
             raise InvalidArgumentError("--samples-per-prompt above 1 needs --temperature above 0: greedy answers "
                                        "to the same prompt are all the same")
@@ -110,6 +126,12 @@ def make_training_data(model, config: DataConfig) -> dict:
     config.layers = sorted(set(config.layers))
     prompt_file = read_prompt_file(config.prompts)
     texts = prompt_file.texts[: config.limit]
+    given = None
+    if config.answers == "given":
+        given = (prompt_file.answers or [None] * len(texts))[: config.limit]
+        if not any(given):
+            raise InvalidArgumentError(f"{prompt_file.path} holds no assistant turn after its prompts; --answers given "
+                                       "needs ShareGPT entries with a 'gpt' (or 'assistant') turn after the human one")
     out = Path(config.out)
     settings = {
         "format": FORMAT,
@@ -128,9 +150,12 @@ def make_training_data(model, config: DataConfig) -> dict:
         "temperature": float(config.temperature),
         "seed": config.seed,
         "shard_prompts": config.shard_prompts,
+        "answers": config.answers,
+        "features": config.features,
     }
     meta = _open_for_writing(out, settings, len(texts))
     prompts, skipped, truncated = _encode_prompts(model, texts, config.max_prompt_tokens)
+    answers = _encode_answers(model, given, prompts, skipped, config.max_new_tokens) if given is not None else None
     meta.update(num_prompts=len(texts), skipped_prompts=skipped, truncated_prompts=truncated)
     _write_meta(out, meta)
 
@@ -144,7 +169,9 @@ def make_training_data(model, config: DataConfig) -> dict:
             first = index * config.shard_prompts
             prompt_range = range(first, min(first + config.shard_prompts, len(texts)))
             shard_started = time.perf_counter()
-            tensors = _make_shard(model, config, prompts, prompt_range, bar)
+            tensors, features = _make_shard(model, config, prompts, answers, prompt_range, bar)
+            if features is not None:  # written first: a listed shard always has its features
+                _write_features(out, shard_name(index), features)
             entry = _write_shard(out, index, tensors, prompt_range)
             meta["shards"].append(entry)
             _write_meta(out, meta)
@@ -183,6 +210,17 @@ def _encode_prompts(model, texts, max_tokens) -> tuple[list[list[int] | None], l
     return prompts, skipped, truncated
 
 
+def _encode_answers(model, given: list[str | None], prompts, skipped: list[dict], max_tokens: int) -> list:
+    """Token ids of each given answer, at most ``max_tokens`` (None where there is none: the prompt is skipped)."""
+    answers = []
+    for index, (text, prompt) in enumerate(zip(given, prompts)):
+        if prompt is not None and text is None:
+            skipped.append({"prompt": index, "reason": "no assistant turn after the prompt"})
+            prompts[index] = None
+        answers.append(model.tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens] if text else None)
+    return answers
+
+
 def _open_for_writing(out: Path, settings: dict, num_prompts: int) -> dict:
     """A new folder's meta, or the existing one after checking it was made with the same settings."""
     if not (out / META).exists():
@@ -193,7 +231,7 @@ def _open_for_writing(out: Path, settings: dict, num_prompts: int) -> dict:
         return {**settings, "num_prompts": num_prompts, "shards": [], "skipped_prompts": [], "truncated_prompts": []}
     meta = read_meta(out)
     check_same_model(meta, settings["model"], out)
-    changed = [key for key in SETTINGS_CHECKED_ON_RESUME if meta.get(key) != settings[key]]
+    changed = [key for key in SETTINGS_CHECKED_ON_RESUME if meta.get(key, SETTING_DEFAULTS.get(key)) != settings[key]]
     if changed:
         was = ", ".join(f"{key}={meta.get(key)!r}" for key in changed)
         now = ", ".join(f"{key}={settings[key]!r}" for key in changed)
@@ -211,8 +249,9 @@ def _open_for_writing(out: Path, settings: dict, num_prompts: int) -> dict:
     return meta
 
 
-def _make_shard(model, config: DataConfig, prompts, prompt_range: range, bar) -> dict[str, torch.Tensor]:
-    """Answer every (prompt, sample) of the range, teacher-force each answer, and pack the shard's tensors."""
+def _make_shard(model, config: DataConfig, prompts, answers, prompt_range: range, bar) -> tuple:
+    """Answer every (prompt, sample) of the range (or take its given answer), teacher-force each answer, and pack
+    the shard's tensors; also the final features of its positions with ``config.features`` (else None)."""
     jobs = [(p, s) for p in prompt_range if prompts[p] is not None for s in range(config.samples_per_prompt)]
     if bar is not None:
         bar.update(len(prompt_range) - len({p for p, _ in jobs}))  # skipped prompts are done at once
@@ -221,16 +260,24 @@ def _make_shard(model, config: DataConfig, prompts, prompt_range: range, bar) ->
     records = {}
     for start in range(0, len(by_length), config.batch_size):
         batch = by_length[start : start + config.batch_size]
-        seeds = [sample_seed(config.seed, p, s) for p, s in batch]
-        answers = generate_answers(model, [prompts[p] for p, _ in batch], config.max_new_tokens,
-                                   config.temperature, seeds)
-        for (p, s), answer in zip(batch, answers):
-            records[p, s] = teacher_forward(model, prompts[p] + answer, len(prompts[p]), config.layers, config.top_k)
+        if answers is not None:
+            batch_answers = [answers[p] for p, _ in batch]
+        else:
+            seeds = [sample_seed(config.seed, p, s) for p, s in batch]
+            batch_answers = generate_answers(model, [prompts[p] for p, _ in batch], config.max_new_tokens,
+                                             config.temperature, seeds)
+        for (p, s), answer in zip(batch, batch_answers):
+            records[p, s] = teacher_forward(model, prompts[p] + answer, len(prompts[p]), config.layers, config.top_k,
+                                            features=config.features)
             unfinished[p] -= 1
             if unfinished[p] == 0 and bar is not None:
                 bar.update(1)
-    return _pack([records[job] | {"prompt_index": job[0]} for job in jobs], config.layers, model.config.hidden_size,
-                 config.top_k)
+    ordered = [records[job] | {"prompt_index": job[0]} for job in jobs]
+    features = None
+    if config.features:
+        features = (torch.cat([r["features"] for r in ordered]) if ordered
+                    else torch.zeros(0, model.config.hidden_size, dtype=torch.bfloat16))
+    return _pack(ordered, config.layers, model.config.hidden_size, config.top_k), features
 
 
 def _pack(records: list[dict], layers: list[int], hidden_size: int, top_k: int) -> dict[str, torch.Tensor]:
@@ -266,6 +313,15 @@ def _write_shard(out: Path, index: int, tensors: dict[str, torch.Tensor], prompt
     return {"file": name, "first_prompt": prompt_range.start, "num_prompts": len(prompt_range),
             "samples": len(tensors["prompt_lengths"]), "tokens": len(tensors["input_ids"]),
             "response_tokens": int(tensors["loss_mask"].sum())}
+
+
+def _write_features(out: Path, shard_file: str, features: torch.Tensor) -> None:
+    from safetensors.torch import save_file
+
+    name = features_name(shard_file)
+    temporary = out / (name + ".tmp")
+    save_file({"features": features.contiguous()}, str(temporary), metadata={"format": FORMAT})
+    os.replace(temporary, out / name)
 
 
 def _write_meta(out: Path, meta: dict) -> None:
@@ -315,11 +371,8 @@ def make_features(model, path: str | Path, progress: bool = True) -> int:
             rows.append(model.decoder.norm(hidden)[0].to(torch.bfloat16).cpu())
             if bar is not None:
                 bar.update(ids.numel())
-        name = features_name(data.shards[index]["file"])
-        temporary = data.path / (name + ".tmp")
-        save_file({"features": torch.cat(rows) if rows else torch.zeros(0, data.hidden_size, dtype=torch.bfloat16)},
-                  str(temporary), metadata={"format": FORMAT})
-        os.replace(temporary, data.path / name)
+        _write_features(data.path, data.shards[index]["file"],
+                        torch.cat(rows) if rows else torch.zeros(0, data.hidden_size, dtype=torch.bfloat16))
     if bar is not None:
         bar.close()
     return len(todo)

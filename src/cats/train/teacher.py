@@ -83,9 +83,11 @@ def generate_answers(model, prompts: list[list[int]], max_new_tokens: int, tempe
 
 
 @torch.inference_mode()
-def teacher_forward(model, ids: list[int], prompt_length: int, layers: list[int], top_k: int) -> dict:
+def teacher_forward(model, ids: list[int], prompt_length: int, layers: list[int], top_k: int,
+                    features: bool = False) -> dict:
     """One sample's record from a forward of the unpadded sequence: hidden states after each of ``layers``
-    (ascending), and the top-k of the final next-token distribution at every position."""
+    (ascending), and the top-k of the final next-token distribution at every position; with ``features``, also the
+    final normed states (what the lm_head reads) as ``features``."""
     cache = model.new_cache()
     hidden = model.embed(torch.tensor(ids))
     states, done = {}, 0
@@ -98,9 +100,12 @@ def teacher_forward(model, ids: list[int], prompt_length: int, layers: list[int]
     top = probs.topk(top_k, dim=-1)
     loss_mask = torch.zeros(len(ids), dtype=torch.uint8)
     loss_mask[prompt_length - 1 : len(ids) - 1] = 1
-    return {"input_ids": torch.tensor(ids, dtype=torch.long), "prompt_length": prompt_length, "loss_mask": loss_mask,
-            "hidden": states, "topk_ids": top.indices.to(torch.int32).cpu(),
-            "topk_probs": top.values.to(torch.float16).cpu()}
+    record = {"input_ids": torch.tensor(ids, dtype=torch.long), "prompt_length": prompt_length,
+              "loss_mask": loss_mask, "hidden": states, "topk_ids": top.indices.to(torch.int32).cpu(),
+              "topk_probs": top.values.to(torch.float16).cpu()}
+    if features:
+        record["features"] = model.decoder.norm(hidden)[0].to(torch.bfloat16).cpu()
+    return record
 
 
 __all__ = ["SeededSampling", "generate_answers", "pad_token_id", "sample_seed", "teacher_forward"]

@@ -39,6 +39,7 @@ from cats.train.card import write_model_card
 from cats.train.folder import TrainingData
 
 GAMMA = 6
+SAVE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass
@@ -59,6 +60,7 @@ class TrainConfig:
     input: str = "hidden"  # "hidden" (state after `layer`), "features" (EAGLE-style; layer = the model's depth) or
     # "features+hidden" (final features + the next token's state after `layer`: early exit with features)
     feature_loss: float = 1.0  # feature adapters: weight of the smooth-L1 regression to the next final feature
+    save_dtype: str = "float32"  # dtype of the stored weights (bfloat16: half the bytes)
     eval_every: int = 0  # steps between held-out evaluations (0: at epoch ends only)
     checkpoint_every: int = 200
     max_steps: int | None = None
@@ -96,6 +98,8 @@ class TrainConfig:
         if model.dtype not in (torch.float32, torch.float64):
             raise InvalidArgumentError(f"train adapters on a float32 model (this one is {model.dtype}); "
                                        "the adapter is converted to the decoding dtype when loaded")
+        if self.save_dtype not in SAVE_DTYPES:
+            raise InvalidArgumentError(f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}, got {self.save_dtype!r}")
         if self.draft_vocab is not None and not 1 <= self.draft_vocab <= model.vocab_size:
             raise InvalidArgumentError(f"--draft-vocab must lie in [1, {model.vocab_size}], got {self.draft_vocab}")
 
@@ -340,7 +344,7 @@ def train_adapter(model: LayeredModel, data: TrainingData, config: TrainConfig, 
             "final_eval": state["curve"][-1] if state["curve"] else None, "learning_curve": state["curve"],
             "command": config.command,
         }
-        final.save(out)
+        final.save(out, dtype=getattr(torch, config.save_dtype))
         write_model_card(out)
     if config.tensorboard:
         accelerator.end_training()
@@ -361,7 +365,8 @@ def _record_eval(state, adapter, eval_data, config, vocab_index, device, acceler
 
 def _checkpoint_settings(config: TrainConfig, data: TrainingData) -> dict:
     settings = {k: v for k, v in asdict(config).items() if k not in ("out", "progress", "tensorboard", "eval_every",
-                                                                      "checkpoint_every", "max_steps", "command")}
+                                                                      "checkpoint_every", "max_steps", "command",
+                                                                      "save_dtype")}
     settings["data_fingerprint"] = data.meta["model"]["fingerprint"]
     settings["data_samples"] = data.num_samples
     return settings
