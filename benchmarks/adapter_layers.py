@@ -27,7 +27,7 @@ import torch
 
 import cats
 from cats.model.adapter import load_adapter
-from cats.train.folder import TrainingData
+from cats.train.folder import DataMix, TrainingData
 from cats.train.trainer import TrainConfig, train_adapter
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -92,7 +92,7 @@ def step_cost(model, adapter, repeats: int = 60, marginal: bool = False) -> tupl
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(DATA / "smollm2-135m-instruct-gguf"))
-    parser.add_argument("--data", type=Path, required=True)
+    parser.add_argument("--data", type=Path, required=True, action="append", help="data folder (repeat to mix)")
     parser.add_argument("--eval-data", type=Path, required=True)
     parser.add_argument("--layers", default="2,3,4,6,12,15,18")
     parser.add_argument("--steps", type=int, default=300)
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     results = json.loads(results_path.read_text()) if results_path.exists() else {}  # resumable per layer
     train_model = cats.load_model(args.model, dtype="float32")
     decode_model = cats.load_model(args.model, dtype=args.decode_dtype)
-    data = TrainingData.open(args.data, model=train_model)
+    data = DataMix.open(args.data, model=train_model)
     eval_data = TrainingData.open(args.eval_data, model=train_model)
     for layer in [int(x) for x in args.layers.split(",")]:
         if str(layer) in results:

@@ -15,7 +15,7 @@ from cats.errors import InvalidArgumentError
 from cats.config import GenerationConfig
 from cats.loop.generator import Generator
 from cats.train.data import DataConfig, make_training_data
-from cats.train.folder import TrainingData
+from cats.train.folder import DataMix, TrainingData
 from cats.train.trainer import TrainConfig, chain_accept_lengths, evaluate, make_batches, soft_cross_entropy, train_adapter
 from tests.conftest import STORIES_HF, needs
 
@@ -57,6 +57,23 @@ def test_batches_cover_every_sample_once(data):
     batches = make_batches(data, 100, random.Random(0))
     assert sorted(i for b in batches for i in b) == list(range(data.num_samples))
     assert all(sum(data.sample_length(i) for i in b[:-1]) < 100 for b in batches)
+
+
+def test_a_data_mix_reads_each_folder_in_turn(model, data, tmp_path):
+    mix = DataMix.open([data.path, data.path], model=model)
+    n = data.num_samples
+    assert mix.num_samples == 2 * n and mix.num_response_tokens == 2 * data.num_response_tokens
+    assert mix.layers == data.layers and mix.sample_length(n + 3) == data.sample_length(3)
+    assert torch.equal(mix.sample(n + 3)["input_ids"], data.sample(3)["input_ids"])
+    assert torch.equal(mix.response_token_counts(model.vocab_size), 2 * data.response_token_counts(model.vocab_size))
+    with pytest.raises(IndexError):
+        mix.sample(2 * n)
+    other = json.loads((data.path / "meta.json").read_text())
+    other["model"]["fingerprint"] = "0" * 16
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "meta.json").write_text(json.dumps({**other, "shards": []}))
+    with pytest.raises(InvalidArgumentError, match="different models"):
+        DataMix([data, TrainingData.open(tmp_path / "other")])
 
 
 def test_training_improves_agreement_and_saves_a_lossless_adapter(model, data, tmp_path, capsys):
@@ -107,7 +124,7 @@ def test_train_adapter_command_line(data, tmp_path):
 
     out = tmp_path / "cli-adapter"
     proc = subprocess.run(["cats", "train", "adapter", "--model", str(STORIES_HF), "--data", str(data.path),
-                           "--eval-data", str(data.path), "--role", "draft", "--layer", "2", "--out", str(out),
+                           "--data", str(data.path), "--eval-data", str(data.path), "--role", "draft", "--layer", "2", "--out", str(out),
                            "--max-steps", "3", "--epochs", "5", "--draft-vocab", "128", "--threads", "1", "--no-progress"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -115,6 +132,7 @@ def test_train_adapter_command_line(data, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["role"] == "draft" and config["layer"] == 2 and len(config["vocab_subset"]) == 128
     assert config["training"]["steps"] == 3 and config["training"]["command"].startswith("cats train adapter")
+    assert config["training"]["data_samples"] == 2 * data.num_samples  # both --data folders
     assert (out / "README.md").is_file()
     bad = subprocess.run(["cats", "train", "adapter", "--model", str(STORIES_HF), "--data", str(data.path), "--role",
                           "draft", "--layer", "4", "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)

@@ -14,7 +14,7 @@ from cats.model import load_model
 from cats.model.adapter import BLOCKS, INITS, INPUTS, ROLES
 from cats.paths import default_model
 from cats.train.data import ANSWERS, DataConfig, make_features, make_training_data
-from cats.train.folder import TrainingData
+from cats.train.folder import DataMix, TrainingData
 from cats.train.trainer import SAVE_DTYPES, TrainConfig, train_adapter
 
 
@@ -109,7 +109,8 @@ def run_data_command(args: argparse.Namespace) -> int:
 def add_adapter_parser(subparsers) -> None:
     parser = subparsers.add_parser("adapter", help="train a draft or shallow adapter on `cats train data` output")
     add_model_arguments(parser)
-    parser.add_argument("--data", type=Path, required=True, help="training data folder (cats train data)")
+    parser.add_argument("--data", type=Path, required=True, action="append",
+                        help="training data folder (cats train data); repeat it to train on several as one")
     parser.add_argument("--eval-data", type=Path, default=None, help="held-out data folder (e.g. MT-Bench answers)")
     parser.add_argument("--role", required=True, choices=ROLES)
     parser.add_argument("--layer", type=integer, required=True, help="the adapter reads the state after this layer")
@@ -149,7 +150,7 @@ def run_adapter_command(args: argparse.Namespace) -> int:
         if importlib.util.find_spec("tensorboard") is None:
             raise InvalidArgumentError("--tensorboard needs the tensorboard package: pip install tensorboard")
     model = load_model(args.model or default_model(), dtype="float32")
-    data = TrainingData.open(args.data, model=model)
+    data = DataMix.open(args.data, model=model)
     eval_data = TrainingData.open(args.eval_data, model=model) if args.eval_data else None
     config = TrainConfig(
         role=args.role, layer=args.layer, out=args.out, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,

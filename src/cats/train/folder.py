@@ -233,5 +233,68 @@ class TrainingData:
         return entry
 
 
-__all__ = ["FORMAT", "META", "TrainingData", "check_same_model", "check_shards_exist", "features_name", "read_meta",
+class DataMix:
+    """Several data folders of the same model read as one (``cats train adapter --data A --data B``): samples are
+    numbered folder after folder; only the layers every folder stores are offered."""
+
+    def __init__(self, parts: list[TrainingData]):
+        if not parts:
+            raise InvalidArgumentError("no training data folder given")
+        fingerprints = {part.meta["model"]["fingerprint"] for part in parts}
+        if len(fingerprints) > 1 or len({part.hidden_size for part in parts}) > 1:
+            raise InvalidArgumentError("the data folders " + ", ".join(str(p.path) for p in parts) + " were made from "
+                                       "different models; mix only data of one model")
+        self.parts = parts
+        self.meta = parts[0].meta
+        self.path = ",".join(str(part.path) for part in parts) if len(parts) > 1 else parts[0].path
+        self._first = [0]
+        for part in parts:
+            self._first.append(self._first[-1] + part.num_samples)
+
+    @classmethod
+    def open(cls, paths: list[str | Path], model=None) -> "DataMix":
+        return cls([TrainingData.open(path, model=model) for path in paths])
+
+    @property
+    def layers(self) -> list[int]:
+        return [layer for layer in self.parts[0].layers if all(layer in part.layers for part in self.parts)]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.parts[0].hidden_size
+
+    @property
+    def num_samples(self) -> int:
+        return self._first[-1]
+
+    @property
+    def num_response_tokens(self) -> int:
+        return sum(part.num_response_tokens for part in self.parts)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    @property
+    def has_features(self) -> bool:
+        return all(part.has_features for part in self.parts)
+
+    def _locate(self, i: int) -> tuple[TrainingData, int]:
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} out of range: {self.path} holds {self.num_samples} samples")
+        index = bisect.bisect_right(self._first, i) - 1
+        return self.parts[index], i - self._first[index]
+
+    def sample(self, i: int, layers: list[int] | None = None, features: bool = False) -> dict:
+        part, local = self._locate(i)
+        return part.sample(local, layers=self.layers if layers is None else layers, features=features)
+
+    def sample_length(self, i: int) -> int:
+        part, local = self._locate(i)
+        return part.sample_length(local)
+
+    def response_token_counts(self, vocab_size: int) -> torch.Tensor:
+        return sum(part.response_token_counts(vocab_size) for part in self.parts)
+
+
+__all__ = ["FORMAT", "META", "DataMix", "TrainingData", "check_same_model", "check_shards_exist", "features_name", "read_meta",
            "shard_name"]

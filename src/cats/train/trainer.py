@@ -36,7 +36,7 @@ from cats.errors import InvalidArgumentError
 from cats.model import LayeredModel
 from cats.model.adapter import BLOCKS, INITS, INPUTS, ROLES, Adapter, new_adapter
 from cats.train.card import write_model_card
-from cats.train.folder import TrainingData
+from cats.train.folder import DataMix, TrainingData
 
 GAMMA = 6
 SAVE_DTYPES = ("float32", "bfloat16")
@@ -69,7 +69,7 @@ class TrainConfig:
     progress: bool = True
     command: str | None = None  # the command line that started the run, for the model card
 
-    def validate(self, model: LayeredModel, data: TrainingData) -> None:
+    def validate(self, model: LayeredModel, data: TrainingData | DataMix) -> None:
         if self.role not in ROLES:
             raise InvalidArgumentError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.init not in INITS or self.block not in BLOCKS:
@@ -105,7 +105,7 @@ class TrainConfig:
 
 
 # ---------------------------------------------------------------------------------------------------------- batches
-def make_batches(data: TrainingData, batch_tokens: int, rng: random.Random) -> list[list[int]]:
+def make_batches(data: TrainingData | DataMix, batch_tokens: int, rng: random.Random) -> list[list[int]]:
     """Shuffle the samples and group consecutive ones until a group holds ``batch_tokens`` tokens."""
     order = list(range(data.num_samples))
     rng.shuffle(order)
@@ -121,7 +121,7 @@ def make_batches(data: TrainingData, batch_tokens: int, rng: random.Random) -> l
     return batches
 
 
-def load_sample(data: TrainingData, index: int, layer: int, adapter: Adapter) -> dict:
+def load_sample(data: TrainingData | DataMix, index: int, layer: int, adapter: Adapter) -> dict:
     """Sample ``index`` as the adapter reads it: ``hidden[layer]`` is its input. For a feature adapter the sample
     is shifted by one: position t holds ``[f_t, e(x_{t+1})]``, its teacher is the target's distribution at t+1,
     and ``next_features`` [T-1, H] holds f_{t+1}."""
@@ -237,12 +237,13 @@ def _window(adapter: Adapter) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------------------------- training
-def reduced_vocabulary(data: TrainingData, size: int, vocab_size: int) -> list[int]:
+def reduced_vocabulary(data: TrainingData | DataMix, size: int, vocab_size: int) -> list[int]:
     counts = data.response_token_counts(vocab_size)
     return counts.argsort(descending=True, stable=True)[:size].tolist()
 
 
-def train_adapter(model: LayeredModel, data: TrainingData, config: TrainConfig, eval_data: TrainingData | None = None) -> Path:
+def train_adapter(model: LayeredModel, data: TrainingData | DataMix, config: TrainConfig,
+                  eval_data: TrainingData | None = None) -> Path:
     """Train; write the adapter folder ``config.out`` (and checkpoints under ``config.out/checkpoint``)."""
     from accelerate import Accelerator
     from tqdm import tqdm
@@ -363,7 +364,7 @@ def _record_eval(state, adapter, eval_data, config, vocab_index, device, acceler
         accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=state["step"])
 
 
-def _checkpoint_settings(config: TrainConfig, data: TrainingData) -> dict:
+def _checkpoint_settings(config: TrainConfig, data: TrainingData | DataMix) -> dict:
     settings = {k: v for k, v in asdict(config).items() if k not in ("out", "progress", "tensorboard", "eval_every",
                                                                       "checkpoint_every", "max_steps", "command",
                                                                       "save_dtype")}
@@ -372,7 +373,7 @@ def _checkpoint_settings(config: TrainConfig, data: TrainingData) -> dict:
     return settings
 
 
-def _resume(accelerator, out: Path, config: TrainConfig, data: TrainingData) -> dict:
+def _resume(accelerator, out: Path, config: TrainConfig, data: TrainingData | DataMix) -> dict:
     folder = out / "checkpoint"
     fresh = {"step": 0, "epoch": 0, "batch": 0, "train_tokens": 0, "losses": [], "curve": [], "wall_s": 0.0,
              "settings": _checkpoint_settings(config, data)}
