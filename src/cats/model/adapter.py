@@ -51,6 +51,13 @@ INPUTS = ("hidden", "features", "features+hidden")  # the state after layer L; t
 # next token's embedding; the final features + the next token's state after layer L
 
 
+# a feature adapter's fc starts as f_t + FC_TOKEN_SHARE * s * token (s equalises their scales): the token's share
+# starts small, because read out through an untied lm_head (Qwen2.5) an equal share makes the first logits large and
+# wrong (soft cross-entropy 76 at initialisation on Qwen2.5-Coder-1.5B against 31 at 0.2; held-out agreement after
+# 250 steps 0.062 against 0.091)
+FC_TOKEN_SHARE = 0.2
+
+
 class AdapterError(CatsError):
     """A missing, malformed or mismatched adapter."""
 
@@ -144,9 +151,9 @@ class Adapter(nn.Module):
 
     @torch.no_grad()
     def _init_fc(self, model: LayeredModel) -> None:
-        """``fc`` starts as ``f_t + s * e(x_{t+1})`` (or ``s * h_L(x_{t+1})``), s = rms(normed state) / rms(token
-        input): the final norm's output scale and the embeddings' often differ a lot (SmolLM2: 1.9 vs 0.14), and an
-        unscaled sum would start with the token nearly drowned out."""
+        """``fc`` starts as ``f_t + FC_TOKEN_SHARE * s * e(x_{t+1})`` (or ``... * h_L(x_{t+1})``), s = rms(normed
+        state) / rms(token input): the final norm's output scale and the embeddings' often differ a lot (SmolLM2:
+        1.9 vs 0.14; Qwen2.5-Coder-1.5B: 4.6 vs 0.017), and an unscaled sum would drown the token out."""
         size = model.config.hidden_size
         probe = torch.randn(64, size, generator=torch.Generator().manual_seed(0)).to(model.decoder.norm.weight)
         normed = model.decoder.norm(probe).float().pow(2).mean().sqrt()
@@ -155,10 +162,35 @@ class Adapter(nn.Module):
         if self.config.input == "features+hidden":  # the probe tokens' states after layer L (a throwaway cache)
             token_inputs = model.forward_layers(token_inputs, 0, self.config.layer, model.new_cache())
         token_rms = token_inputs[0].float().pow(2).mean().sqrt()
-        scale = float(normed / token_rms.clamp(min=1e-12))
+        scale = float(normed / token_rms.clamp(min=1e-12)) * FC_TOKEN_SHARE
         eye = torch.eye(size, dtype=self.fc.weight.dtype)
         self.fc.weight.copy_(torch.cat([eye, scale * eye], dim=1))
         self.fc.bias.zero_()
+        self._init_uniform_norm(float(normed))
+        # the copied last layer writes into a residual stream of the target's scale (Qwen2.5: rms in the hundreds
+        # before the final norm); ours starts as f_t (rms of the normed features): shrink its writes to match
+        stream = model.forward_layers(model.embed(tokens[:64]), 0, model.num_layers, model.new_cache())
+        shrink = float(normed / stream.float().pow(2).mean().sqrt().clamp(min=1e-12))
+        if shrink < 1:
+            for linear in (self.block.self_attn.o_proj, getattr(self.block.mlp, "down_proj", None)):
+                if linear is not None:
+                    linear.weight.mul_(shrink)
+                    if linear.bias is not None:
+                        linear.bias.mul_(shrink)
+
+    @torch.no_grad()
+    def _init_uniform_norm(self, scale: float) -> None:
+        """A feature adapter's residual starts as f_t, which already carries the final norm's weight; reading it out
+        through that weight again would apply it twice (Qwen2.5's reaches 60 in some dimensions: the first logits
+        are huge and training starts far off). So its norm starts as one uniform ``scale`` (the rms of the final
+        norm's output): the output starts near f_t. Found whatever the norm's form (``w`` or Gemma's ``1 + w``)."""
+        weight = self.norm.weight
+        unit = torch.ones(1, weight.shape[-1], dtype=weight.dtype)
+        weight.zero_()
+        at_zero = float(self.norm(unit).float().mean())
+        weight.fill_(1.0)
+        at_one = float(self.norm(unit).float().mean())
+        weight.fill_((scale - at_zero) / (at_one - at_zero))
 
     def _lean_block(self) -> bool:
         """Whether the block can run the target's lean layer forward (decoding, a block class that has one)."""
