@@ -121,3 +121,18 @@ def test_speculation_reproduces_plain_decoding_on_each_kernel_path(smollm2_block
                 assert speculative.token_ids == plain, (isa, type(drafter).__name__)
     finally:
         quantized.use(None)
+
+
+def test_a_streamed_layer_dequantises_to_meta_linears_for_an_adapter_to_fill():
+    """Under a memory budget a streamed layer holds meta blocks: an adapter copied from it gets meta float linears
+    of the same shapes (its own weights are then assigned), not an error reading blocks that are not there."""
+    from torch import nn
+
+    from cats.model.kernels.gguf_modules import GGUFLinear, dequantize_linears
+
+    Q8_0, columns, rows = 8, 64, 3  # Q8_0: 34 bytes per 32 values
+    holder = nn.Sequential(GGUFLinear(torch.empty(rows, 2 * 34, dtype=torch.uint8, device="meta"), Q8_0, columns,
+                                      bias=torch.zeros(rows)))
+    dequantize_linears(holder)
+    assert isinstance(holder[0], nn.Linear) and holder[0].weight.is_meta
+    assert tuple(holder[0].weight.shape) == (rows, columns) and holder[0].bias is not None

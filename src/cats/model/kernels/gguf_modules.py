@@ -138,11 +138,18 @@ def _joined_order(modules) -> torch.Tensor | None:
 
 def dequantize_linears(module: nn.Module) -> nn.Module:
     """Replace every `GGUFLinear` inside ``module`` by an ``nn.Linear`` of its float32 values, in place (an adapter's
-    trainable copy of a target layer is float, whatever the target computes on); returns ``module``."""
+    trainable copy of a target layer is float, whatever the target computes on); returns ``module``. A layer that
+    streams under a memory budget holds no blocks (meta tensors): its linears become float linears on the meta
+    device too, for an adapter's own weights to be assigned to."""
     for name, child in list(module.named_modules()):
         if not isinstance(child, GGUFLinear):
             continue
-        linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, dtype=torch.float32)
+        streamed = child.blocks.is_meta
+        linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, dtype=torch.float32,
+                           device="meta" if streamed else None)
+        if streamed:
+            module.set_submodule(name, linear)
+            continue
         with torch.no_grad():
             linear.weight.copy_(child.dequantized())
             if child.bias is not None:
