@@ -149,7 +149,7 @@ def _sharegpt_turns(path: Path, text: str) -> tuple[list[str | None], list[str |
             raise InvalidArgumentError(f"{where}: expected an object with a 'conversations' list; {EXPECTED}")
         prompt = answer = None
         turns = entry["conversations"]
-        for index, turn in enumerate(turns):
+        for turn in turns:
             if not isinstance(turn, dict) or not all(isinstance(turn.get(key), str) for key in ("from", "value")):
                 raise InvalidArgumentError(f"{where}: every conversation turn needs string 'from' and 'value'")
         for index, turn in enumerate(turns):
