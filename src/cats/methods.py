@@ -40,6 +40,7 @@ from cats.model.adapter import (
     load_adapter,
     read_adapter_config,
 )
+from cats.model.eagle3 import is_eagle3_folder, load_eagle3_head
 from cats.model.weights.budget import (
     DEFAULT_CONTEXT_TOKENS,
     DEFAULT_PREFETCH,
@@ -84,10 +85,21 @@ def _draft_adapter(adapters: str | None, model: LayeredModel, early_exit: bool =
     return load_adapter(find_draft_adapter(adapters, early_exit), model, role="draft")
 
 
+def _eagle3_folder(adapters: str) -> Path | None:
+    """The EAGLE-3 head of an adapters folder (``DIR/eagle3/``, or DIR itself when it is one), else None."""
+    for folder in (Path(adapters) / "eagle3", Path(adapters)):
+        if is_eagle3_folder(folder):
+            return folder
+    return None
+
+
 def _feature_adapter(adapters: str | None, model: LayeredModel):
-    """The feature draft adapter of an adapters folder (``DIR/feature/``, or DIR itself when it is one), else None."""
+    """The feature drafter's head of an adapters folder: its EAGLE-3 head (``DIR/eagle3/``) when it has one, else
+    its feature draft adapter (``DIR/feature/``, or DIR itself when it is one), else None."""
     if adapters is None:
         return None
+    if (eagle3 := _eagle3_folder(adapters)) is not None:
+        return load_eagle3_head(eagle3, model)
     try:
         folder = find_adapter(adapters, "feature")
         if folder == Path(adapters) and json.loads((folder / "config.json").read_text()).get("input") != "features":
@@ -182,6 +194,20 @@ def _eagle(model, d: DraftConfig, threshold, progress):
     return FeatureDrafter(model, adapter, threshold=threshold, **shape)
 
 
+def _eagle3(model, d: DraftConfig, threshold, progress):
+    """The EAGLE-3 head of ``adapters`` (``DIR/eagle3/`` or a head folder itself)."""
+    folder = _eagle3_folder(d.adapters) if d.adapters is not None else None
+    if folder is None:
+        raise InvalidArgumentError("method 'eagle3' needs --adapters DIR holding a trained EAGLE-3 head in DIR/eagle3/ "
+                                   "(cats train adapter --arch eagle3)")
+    if d.num_draft_tokens is not None or d.draft_layer is not None:
+        raise InvalidArgumentError("eagle3 drafts from the fused states of its three target layers: --draft-layer "
+                                   "does not apply, and its draft length is --depth (a chain: --tree-topk 1)")
+    shape = {key: value for key, value in (("tree_topk", d.tree_topk), ("total_tokens", d.total_tokens),
+                                           ("depth", d.depth)) if value is not None}
+    return FeatureDrafter(model, load_eagle3_head(folder, model), threshold=threshold, **shape)
+
+
 def _early_exit_layer(model, d: DraftConfig, adapter) -> None:
     """Under a memory budget the draft layers must be resident (an out-of-range layer is the drafter's error)."""
     layer = adapter.config.layer if adapter is not None else d.draft_layer
@@ -261,6 +287,24 @@ def _eagle_needs(needs, config, itemsize, d):  # drafts from the final features:
     needs.max_tree_tokens = (d.total_tokens or EAGLE_TOKENS) + 1  # a fixed tree size, not left to the budget
 
 
+def _eagle3_head_needs(needs, config, itemsize, d) -> bool:
+    """The resident bytes and cache layer of the EAGLE-3 head in ``d.adapters``; whether there is one."""
+    folder = _eagle3_folder(d.adapters) if d.adapters is not None else None
+    if folder is None:
+        return False
+    header = read_header(folder / "model.safetensors")
+    vocab = len(json.loads((folder / "config.json").read_text()).get("vocab_subset") or [])
+    values = sum(numel(e.shape) for e in header.entries.values())
+    needs.adapter_bytes += values * itemsize + vocab * (config.hidden_size * itemsize + 8)
+    needs.extra_cache_layers += 1
+    return True
+
+
+def _eagle3_needs(needs, config, itemsize, d):  # drafts from three layers' states: no target layer must stay
+    _eagle3_head_needs(needs, config, itemsize, d)
+    needs.max_tree_tokens = (d.total_tokens or EAGLE_TOKENS) + 1
+
+
 def _adapter_needs(needs, config, itemsize, d, early_exit: bool = False, shallow: bool = False) -> list[int]:
     """The resident adapters' bytes; returns the draft adapter's layer (empty without adapters)."""
     layers = []
@@ -312,7 +356,7 @@ def _all_layer_needs(needs, config, itemsize, d):  # they draft through every la
 
 
 def _dytc_needs(needs, config, itemsize, d):  # layer skipping only where every layer stays resident (`_dytc`)
-    layers = _adapter_needs(needs, config, itemsize, d, early_exit=False)
+    layers = [] if _eagle3_head_needs(needs, config, itemsize, d) else _adapter_needs(needs, config, itemsize, d)
     needs.min_resident_layers = _draft_layers(layers, config, d) if layers else 1  # layer 0 times its cost model
     if d.total_tokens is not None:
         needs.max_tree_tokens = d.total_tokens + 1
@@ -350,6 +394,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            frozenset({"num_draft_tokens", "max_ngram", "tree_topk", "total_tokens", "depth", "sparsity"})),
     Method("eagle", "trees from the feature draft adapter in --adapters, which reads the target's final features; "
            "chain: --tree-topk 1", _eagle, _eagle_needs,
+           frozenset({"adapters", "threshold", "tree_topk", "total_tokens", "depth"}), CONFIDENCE_STOP),
+    Method("eagle3", "trees from the EAGLE-3 head in --adapters (DIR/eagle3/), which reads three target layers' "
+           "states; chain: --tree-topk 1", _eagle3, _eagle3_needs,
            frozenset({"adapters", "threshold", "tree_topk", "total_tokens", "depth"}), CONFIDENCE_STOP),
     Method("recycle", "token recycling: training-free trees from the target's own recent candidates", _recycle,
            _recycle_needs, frozenset({"total_tokens", "depth"})),

@@ -1,4 +1,4 @@
-"""The ``cats`` command line: ``cats generate``, ``chat``, ``bench``, ``train``, ``calibrate`` and ``serve``. Each
+"""The ``cats`` command line: ``cats generate``, ``chat``, ``bench``, ``train``, ``export``, ``calibrate`` and ``serve``. Each
 command parses its arguments here and calls the API below it.
 
 Errors print one line and no traceback: a user or input error (a `CatsError`: bad argument, missing or damaged
@@ -15,6 +15,7 @@ from cats.api import quiet_transformers, set_threads
 from cats.cli.bench import add_bench_parser
 from cats.cli.calibrate import add_calibrate_parser
 from cats.cli.chat import add_chat_parser
+from cats.cli.export import add_export_parser
 from cats.cli.generate import add_generate_parser
 from cats.cli.serve import add_serve_parser
 from cats.cli.train import add_train_parser
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_calibrate_parser(commands)
     add_bench_parser(commands)
     add_train_parser(commands)
+    add_export_parser(commands)
     add_serve_parser(commands)
     add_chat_parser(commands)
     return parser

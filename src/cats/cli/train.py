@@ -15,7 +15,7 @@ from cats.model.adapter import BLOCKS, INITS, INPUTS, ROLES
 from cats.paths import default_model
 from cats.train.data import ANSWERS, DataConfig, make_features, make_training_data
 from cats.train.folder import DataMix, TrainingData
-from cats.train.trainer import SAVE_DTYPES, TrainConfig, train_adapter
+from cats.train.trainer import ARCHS, SAVE_DTYPES, TrainConfig, train_adapter
 
 
 def add_train_parser(commands) -> None:
@@ -107,13 +107,25 @@ def run_data_command(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------------------- CLI
 def add_adapter_parser(subparsers) -> None:
-    parser = subparsers.add_parser("adapter", help="train a draft or shallow adapter on `cats train data` output")
+    parser = subparsers.add_parser("adapter", help="train a draft or shallow adapter, or an EAGLE-3 head, on "
+                                   "`cats train data` output")
     add_model_arguments(parser)
     parser.add_argument("--data", type=Path, required=True, action="append",
                         help="training data folder (cats train data); repeat it to train on several as one")
     parser.add_argument("--eval-data", type=Path, default=None, help="held-out data folder (e.g. MT-Bench answers)")
-    parser.add_argument("--role", required=True, choices=ROLES)
-    parser.add_argument("--layer", type=integer, required=True, help="the adapter reads the state after this layer")
+    parser.add_argument("--arch", choices=ARCHS, default="adapter",
+                        help="adapter (default): a CATS adapter (--role, --layer, --input); eagle3: an EAGLE-3 draft "
+                        "head, the layout vLLM, SGLang and llama.cpp load (`cats export`)")
+    parser.add_argument("--role", choices=ROLES, default=None, help="adapters: draft or shallow (required)")
+    parser.add_argument("--layer", type=integer, default=None,
+                        help="adapters: the adapter reads the state after this layer (required)")
+    parser.add_argument("--aux-layers", default=None,
+                        help="eagle3: the three target layers it reads, e.g. 2,14,25 (default 2, n/2, n-3)")
+    parser.add_argument("--heads", type=integer, default=None, help="eagle3: attention heads (default the target's)")
+    parser.add_argument("--kv-heads", type=integer, default=None,
+                        help="eagle3: key/value heads (default the target's, at most --heads)")
+    parser.add_argument("--intermediate-size", type=integer, default=None,
+                        help="eagle3: MLP width (default the target's)")
     parser.add_argument("--out", type=Path, required=True, help="adapter folder to write")
     parser.add_argument("--epochs", type=float, default=1.0)
     parser.add_argument("--lr", type=float, default=1.5e-3)
@@ -122,15 +134,16 @@ def add_adapter_parser(subparsers) -> None:
     parser.add_argument("--grad-clip", type=float, default=1.0)
     parser.add_argument("--position-fraction", type=float, default=0.35,
                         help="fraction of response positions that carry the loss in each batch")
-    parser.add_argument("--init", choices=INITS, default="next",
+    parser.add_argument("--init", choices=INITS, default=None,
                         help="next: the target's layer L (0-based, the one the adapter replaces); copy: its last layer")
-    parser.add_argument("--block", choices=BLOCKS, default="decoder", help="decoder (attention + MLP) or attention only")
-    parser.add_argument("--input", choices=INPUTS, default="hidden",
+    parser.add_argument("--block", choices=BLOCKS, default=None,
+                        help="decoder (attention + MLP, default) or attention only")
+    parser.add_argument("--input", choices=INPUTS, default=None,
                         help="hidden: the state after --layer; features: EAGLE-style feature draft adapter reading the "
                              "final features and the next token (--role draft --layer <num layers>; needs "
                              "`cats train features`); features+hidden: the final features and the next token's state "
                              "after --layer (an early-exit draft adapter that also reads the target's features)")
-    parser.add_argument("--feature-loss", type=float, default=1.0,
+    parser.add_argument("--feature-loss", type=float, default=None,
                         help="feature adapters: weight of the smooth-L1 regression to the next feature (default 1)")
     parser.add_argument("--draft-vocab", type=integer, default=None,
                         help="reduced vocabulary: the N most frequent response tokens of the data (e.g. 8192)")
@@ -149,17 +162,31 @@ def run_adapter_command(args: argparse.Namespace) -> int:
     if args.tensorboard:
         if importlib.util.find_spec("tensorboard") is None:
             raise InvalidArgumentError("--tensorboard needs the tensorboard package: pip install tensorboard")
+    adapter_only = ("role", "layer", "init", "block", "input", "feature_loss")
+    eagle3_only = ("aux_layers", "heads", "kv_heads", "intermediate_size")
+    for name in adapter_only if args.arch == "eagle3" else eagle3_only:
+        if getattr(args, name) is not None:
+            other = "an adapter (--arch adapter)" if args.arch == "eagle3" else "--arch eagle3"
+            raise InvalidArgumentError(f"--{name.replace('_', '-')} is a setting of {other}")
+    if args.arch == "adapter" and (args.role is None or args.layer is None):
+        raise InvalidArgumentError("an adapter needs --role and --layer (or train an EAGLE-3 head: --arch eagle3)")
     model = load_model(args.model or default_model(), dtype="float32")
     data = DataMix.open(args.data, model=model)
     eval_data = TrainingData.open(args.eval_data, model=model) if args.eval_data else None
+    if args.arch == "eagle3":
+        shape = dict(role="draft", layer=model.num_layers, arch="eagle3", heads=args.heads, kv_heads=args.kv_heads,
+                     intermediate_size=args.intermediate_size,
+                     aux_layers=parse_layers(args.aux_layers) if args.aux_layers else None)
+    else:
+        shape = dict(role=args.role, layer=args.layer, init=args.init or "next", block=args.block or "decoder",
+                     input=args.input or "hidden", feature_loss=1.0 if args.feature_loss is None else args.feature_loss)
     config = TrainConfig(
-        role=args.role, layer=args.layer, out=args.out, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
+        **shape, out=args.out, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
         warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, position_fraction=args.position_fraction,
-        init=args.init, block=args.block, draft_vocab=args.draft_vocab, eval_every=args.eval_every,
-        input=args.input, feature_loss=args.feature_loss, save_dtype=args.save_dtype,
+        draft_vocab=args.draft_vocab, eval_every=args.eval_every, save_dtype=args.save_dtype,
         checkpoint_every=args.checkpoint_every, max_steps=args.max_steps, seed=args.seed,
         tensorboard=args.tensorboard, progress=not args.no_progress, command="cats " + " ".join(sys.argv[1:]),
     )
     out = train_adapter(model, data, config, eval_data)
-    print(f"wrote adapter {out}")
+    print(f"wrote {'EAGLE-3 head' if args.arch == 'eagle3' else 'adapter'} {out}")
     return 0

@@ -13,7 +13,7 @@ deterministic candidates (one-hot q). `cats.verify.acceptance` states what a dra
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,8 @@ class DecodeState:
     sampler: Sampler | None = None  # set: draw drafts from q with it (speculative sampling); None: draft greedily
     final_hidden: torch.Tensor | None = None  # [k+1, H] the target's last-layer states (before its final norm) for
     # [x, d_1..d_k] of the latest verification, rows as its logits
+    layer_hidden: dict[int, torch.Tensor | None] = field(default_factory=dict)  # keyed by the drafter's
+    # `feature_layers`: the latest verification's states after each of them, rows as final_hidden
 
     @property
     def committed_length(self) -> int:
@@ -107,6 +109,7 @@ class Drafter(ABC):
     prefill_layers: tuple[int, ...] = ()  # layers whose prompt hidden states `prefill` needs
     speculation: dict | None = None  # under a memory budget: the draft size bucket chosen for it, and why
     wants_features = False  # True: the loop hands it the target's final states of every committed token
+    feature_layers: tuple[int, ...] = ()  # (wants_features) earlier target layers whose states it is handed too
     wants_target_logits = False  # True: the loop hands it the target's logits of every verified token
 
     def prefill(self, state: DecodeState, hidden: dict[int, torch.Tensor]) -> None:
@@ -116,9 +119,10 @@ class Drafter(ABC):
     def propose(self, state: DecodeState, max_tokens: int) -> Proposal:
         """Draft at most ``max_tokens`` tokens after ``state.token_ids``."""
 
-    def take_features(self, final_states: torch.Tensor) -> None:
+    def take_features(self, final_states: torch.Tensor, layer_states: dict[int, torch.Tensor] | None = None) -> None:
         """(``wants_features`` drafters) The target's last-layer states ``[n, H]`` (before its final norm) of the
-        next n committed tokens: after each step, x and the accepted drafts, in order."""
+        next n committed tokens: after each step, x and the accepted drafts, in order; ``layer_states`` their
+        states after each of ``feature_layers``."""
 
     def take_target_logits(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """(``wants_target_logits`` drafters) The target's logits ``[n, V]`` after each of ``tokens`` (``[n]``): the

@@ -1,5 +1,7 @@
 """Feature drafting (EAGLE-style): a trained feature draft adapter runs *after* the target, on the target's own final
-features, so drafting touches no target layer at all.
+features, so drafting touches no target layer at all. An EAGLE-3 head (`cats.model.eagle3`, method ``eagle3``)
+drafts the same way from the fused states of three target layers in place of f_t (``g_t = fc([h_a, h_b, h_c])``),
+and a node's next input is its parent's output before the head's final norm.
 
 Notation: f_t is the target's final normed state at position t (what its lm_head reads; the loop hands the drafter
 the states of every committed token), x_t the token at t. The adapter's cache entry at position t is built from
@@ -35,6 +37,7 @@ from cats.draft.base import DecodeState, Drafter, Draw, Proposal
 from cats.errors import InvalidArgumentError
 from cats.model import LayeredModel
 from cats.model.adapter import Adapter, AdapterError
+from cats.model.eagle3 import Eagle3Head
 
 TREE_TOPK, TOTAL_TOKENS, DEPTH = 4, 16, 5  # the default tree shape (as method tree's)
 
@@ -54,7 +57,7 @@ class FeatureDrafter(Drafter):
 
     Args:
         model: the target.
-        adapter: a feature draft adapter (``input="features"``, see `cats.model.adapter`).
+        adapter: a feature draft adapter (``input="features"``, see `cats.model.adapter`) or an EAGLE-3 head.
         tree_topk: children per expanded node, and nodes expanded per depth (1 = a chain).
         total_tokens: nodes kept for verification.
         depth: maximum depth (draft length of a chain).
@@ -66,10 +69,11 @@ class FeatureDrafter(Drafter):
     cache_layers = 1
     wants_features = True
 
-    def __init__(self, model: LayeredModel, adapter: Adapter, tree_topk: int = TREE_TOPK,
+    def __init__(self, model: LayeredModel, adapter: Adapter | Eagle3Head, tree_topk: int = TREE_TOPK,
                  total_tokens: int = TOTAL_TOKENS, depth: int = DEPTH, threshold: float = 0.0,
                  cache_layer: int | None = None):
-        if adapter.fc is None:
+        eagle3 = isinstance(adapter, Eagle3Head)
+        if not eagle3 and (adapter.fc is None or adapter.config.input != "features"):
             raise AdapterError(f"method eagle needs a feature draft adapter (input 'features', trained with "
                                f"`cats train adapter --input features`); this one reads layer {adapter.config.layer}'s "
                                "hidden state: use it with early-exit or tree")
@@ -79,18 +83,25 @@ class FeatureDrafter(Drafter):
         self.model, self.adapter = model, adapter
         self.tree_topk, self.total_tokens, self.depth, self.threshold = tree_topk, total_tokens, depth, threshold
         adapter.cache_layer = model.num_layers if cache_layer is None else cache_layer  # after the target's
-        self.prefill_layers = (model.num_layers,)
+        self.name = "eagle3" if eagle3 else "eagle"
+        self.feature_layers = adapter.feature_layers if eagle3 else ()  # the aux layers: kept by each verification
+        self.prefill_layers = (*self.feature_layers, model.num_layers)
         self._fed = 0  # adapter cache entries built from true features: positions [0, _fed)
         self._features: torch.Tensor | None = None  # [n, H] true features of positions _fed .. _fed + n - 1
 
     # ------------------------------------------------------------------ the target's features
     def prefill(self, state: DecodeState, hidden: dict[int, torch.Tensor]) -> None:
         self._fed, self._features = 0, None
-        self.take_features(hidden[self.model.num_layers][0])
+        self.take_features(hidden[self.model.num_layers][0], {layer: hidden[layer][0] for layer in self.feature_layers})
 
-    def take_features(self, final_states: torch.Tensor) -> None:
-        """The target's last-layer states ``[n, H]`` (before its final norm) of the next n committed positions."""
-        self._features = append_features(self.model, self._features, final_states)
+    def take_features(self, final_states: torch.Tensor, layer_states: dict[int, torch.Tensor] | None = None) -> None:
+        """The target's last-layer states ``[n, H]`` (before its final norm) of the next n committed positions, and
+        (an EAGLE-3 head) their states after its aux layers."""
+        if not self.feature_layers:
+            self._features = append_features(self.model, self._features, final_states)
+            return
+        fused = self.adapter.features(layer_states)
+        self._features = fused if self._features is None else torch.cat([self._features, fused])
 
     def _catch_up(self, state: DecodeState) -> torch.Tensor:
         """Feed the true features not yet in the adapter's cache; return the estimate of f_c (``[H]``)."""
@@ -197,9 +208,10 @@ class FeatureDrafter(Drafter):
 
     def describe(self) -> dict:
         vocab = self.adapter.config.vocab_subset
+        source = {"aux_layers": list(self.feature_layers)} if self.feature_layers else {"input": "features"}
         return {"name": self.name, "tree_topk": self.tree_topk, "total_tokens": self.total_tokens, "depth": self.depth,
                 **({"threshold": self.threshold} if self.threshold else {}),
-                "adapter": {"input": "features", "vocab": len(vocab) if vocab else self.model.vocab_size}}
+                "adapter": {**source, "vocab": len(vocab) if vocab else self.model.vocab_size}}
 
 
 class FeatureDrafterView(Drafter):

@@ -91,7 +91,7 @@ class EarlyExitDrafter(Drafter):
         elif self.adapter is not None:
             self.adapter(hidden[self.layer], state.cache)
 
-    def take_features(self, final_states: torch.Tensor) -> None:
+    def take_features(self, final_states: torch.Tensor, layer_states: dict[int, torch.Tensor] | None = None) -> None:
         """(Feature adapters) the target's last-layer states ``[n, H]`` of the next n committed tokens."""
         self._features = append_features(self.model, self._features, final_states)
 

@@ -100,6 +100,8 @@ class Generator:
         cache = model.new_cache(extra_layers=extra_layers, capacity=capacity)
         state = DecodeState(model, cache, list(prompt_ids), len(prompt_ids),
                             sampler=sampler if acceptance.draws_drafts else None)
+        if self.drafter is not None and self.drafter.wants_features:  # layers the verification keeps states of
+            state.layer_hidden = {layer: None for layer in self.drafter.feature_layers}
         prefill_logits = self._prefill(state)
         if self.drafter is not None and self.drafter.wants_target_logits:
             self.drafter.take_target_logits(torch.tensor(prompt_ids[-1:]), prefill_logits[None])
@@ -137,7 +139,9 @@ class Generator:
             state.token_ids.extend(new_tokens)
             if self.drafter:
                 if self.drafter.wants_features:  # the target's final states of x and the accepted drafts
-                    self.drafter.take_features(state.final_hidden[torch.tensor([0] + [1 + i for i in accepted])])
+                    rows = torch.tensor([0] + [1 + i for i in accepted])
+                    self.drafter.take_features(state.final_hidden[rows],
+                                               {layer: kept[rows] for layer, kept in state.layer_hidden.items()})
                 self.drafter.observe(proposal, verdict.num_accepted)
             stats.draft_s += tock - tick
             stats.verify_s += time.perf_counter() - tock

@@ -31,6 +31,7 @@ from torch import nn
 from cats.errors import CatsError
 from cats.model.cache import KVCache
 from cats.model.files import check_safetensors, first_line
+from cats.model.draft_vocabulary import DraftVocabulary
 from cats.model.identity import model_identity
 from cats.model.kernels.layer_forward import (
     fused_layer_forward,
@@ -40,7 +41,7 @@ from cats.model.kernels.layer_forward import (
     lean_unsupported,
 )
 from cats.model.kernels.gguf_modules import dequantize_linears
-from cats.model.kernels.packing import pack_module, packed_linear
+from cats.model.kernels.packing import pack_module
 from cats.model.layered import LayeredModel
 
 FORMAT = "cats-adapter/1"
@@ -106,7 +107,7 @@ class _NoMLP(nn.Module):
         return torch.zeros_like(hidden)
 
 
-class Adapter(nn.Module):
+class Adapter(DraftVocabulary, nn.Module):
     """The adapter module. Its only parameters are the block's and the norm's; the target (rotary embedding,
     lm_head, masks) is referenced, not registered, so ``adapter.parameters()`` is exactly what training updates.
 
@@ -145,6 +146,7 @@ class Adapter(nn.Module):
         subset = config.vocab_subset
         self.register_buffer("vocab_ids", torch.tensor(subset, dtype=torch.long) if subset else None, persistent=False)
         self._head_rows: torch.Tensor | None = None
+        self._train_rows: torch.Tensor | None = None
         self._packed = False
         self._lean: bool | None = None  # whether the block has a lean forward (`_lean_block`)
         self._fused: bool | None = None  # whether it can run the whole-layer kernel (`_fused_block`)
@@ -276,43 +278,6 @@ class Adapter(nn.Module):
             raise ValueError("a 'features+hidden' adapter reads the next tokens' states after its layer, not ids")
         embedded = self.target.hf_model.get_input_embeddings()(next_tokens.to(features.device))
         return torch.cat([features, embedded.to(features.dtype)], dim=-1)
-
-    def logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """Logits over the adapter's vocabulary (``[..., V_d]``) through the target's lm_head rows."""
-        lm_head = self.target.hf_model.lm_head  # (its weight read only where needed: on GGUF blocks it is made)
-        if self.vocab_ids is None:  # the lm_head module itself: its packed copy when the target packs (one copy)
-            return lm_head(normed) if not self.training else nn.functional.linear(normed, lm_head.weight)
-        if self.training:  # gathered per call while training
-            return nn.functional.linear(normed, self._vocabulary_rows(lm_head))
-        if self._head_rows is None or self._head_rows.dtype != normed.dtype:
-            # gathered once for decoding: |V_d| rows, the memory price of the reduced vocabulary
-            self._head_rows = self._vocabulary_rows(lm_head)
-        if self.target.packed:
-            return packed_linear(normed, self._head_rows)
-        return nn.functional.linear(normed, self._head_rows)
-
-    def _vocabulary_rows(self, lm_head: nn.Module) -> torch.Tensor:
-        """The lm_head's rows of the adapter's vocabulary (a head on GGUF blocks dequantises just those rows)."""
-        rows = getattr(lm_head, "dequantized", None)
-        if rows is not None:
-            return rows(self.vocab_ids.cpu())
-        return lm_head.weight.index_select(0, self.vocab_ids.to(lm_head.weight.device))
-
-    def full_logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """Logits over the target's whole vocabulary ``[..., V]`` (-inf outside a reduced vocabulary: q = 0 there)."""
-        return self.widen(self.logits(normed))
-
-    def widen(self, logits: torch.Tensor) -> torch.Tensor:
-        """Logits over the adapter's vocabulary ``[..., V_d]`` placed in the target's whole vocabulary ``[..., V]``
-        (-inf elsewhere); unchanged without a reduced vocabulary."""
-        if self.vocab_ids is None:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.target.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.vocab_ids.to(logits.device), logits)
-
-    def token_ids(self, indices: torch.Tensor) -> torch.Tensor:
-        """Map indices into the adapter's vocabulary to token ids."""
-        return indices if self.vocab_ids is None else self.vocab_ids.to(indices.device)[indices]
 
     # ------------------------------------------------------------------ files
     def save(self, folder: str | Path, dtype: torch.dtype | None = None) -> Path:

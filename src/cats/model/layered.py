@@ -207,6 +207,7 @@ class LayeredModel:
         cache: KVCache,
         position_ids: torch.Tensor | None = None,
         attend: torch.Tensor | None = None,
+        capture: dict[int, torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
         """Run decoder layers ``[start, end)`` on ``hidden`` (``[1, T, H]``, the output of layer ``start - 1``).
 
@@ -218,6 +219,8 @@ class LayeredModel:
             attend: optional ``[T, P + T]`` bool matrix, True where new token ``t`` may see slot ``s`` (a tree
                 mask). Default: causal in slot order. Sliding-window layers additionally hide slots whose
                 position is ``sliding_window`` or more behind the query's.
+            capture: keys are layer counts L; for each L in ``(start, end)`` the states after L layers
+                (``[T, H]``, a copy) are stored under it.
         Returns:
             hidden states after layer ``end - 1``, ``[1, T, H]``.
         """
@@ -245,16 +248,17 @@ class LayeredModel:
             fused = {kind: fused_ready(hidden, masks[kind], rotary[kind], self._fused_head_dim) for kind in kinds}
         for i in range(start, end):
             kind = self.layer_types[i]
-            if fused.get(kind) and self._fused_layers[i] and fused_layer_forward(
-                    self.layers[i], hidden, masks[kind], rotary[kind], cache.hf_cache):
-                continue
-            if weights is not None:  # a streamed layer's parameters are real only between acquire and release
-                weights.acquire(i)
-            try:
-                hidden = self.run_layer(i, hidden, masks[kind], rotary[kind], device_positions, cache.hf_cache)
-            finally:
-                if weights is not None:
-                    weights.release(i)
+            if not (fused.get(kind) and self._fused_layers[i] and fused_layer_forward(
+                    self.layers[i], hidden, masks[kind], rotary[kind], cache.hf_cache)):
+                if weights is not None:  # a streamed layer's parameters are real only between acquire and release
+                    weights.acquire(i)
+                try:
+                    hidden = self.run_layer(i, hidden, masks[kind], rotary[kind], device_positions, cache.hf_cache)
+                finally:
+                    if weights is not None:
+                        weights.release(i)
+            if capture is not None and i + 1 in capture and i + 1 < end:
+                capture[i + 1] = hidden[0].clone()
         cache.record(start, end, position_ids)
         return hidden
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from cats.model.eagle3 import FORMAT as EAGLE3_FORMAT
+
 CURVE_PLOT = "learning_curve.png"
 
 
@@ -14,23 +16,35 @@ def write_model_card(folder: str | Path) -> Path:
     config = json.loads((folder / "config.json").read_text())
     training = config.get("training", {})
     curve = training.get("learning_curve") or []
-    kind = config.get("input", "hidden")
-    features = kind != "hidden"
-    title = {"features": "feature draft adapter (EAGLE-style)",
-             "features+hidden": f"early-exit feature draft adapter, layer {config['layer']}"}.get(
-        kind, f"{config['role']} adapter, layer {config['layer']}")
-    reads = {"features": f"the target's final features after all {config['layer']} layers and the next token's "
-                         "embedding (`cats generate --method eagle`)",
-             "features+hidden": f"the target's final features and the next token's state after layer {config['layer']} "
-                                "(`cats generate --method early-exit`)"}
+    vocabulary = (f"{len(config['vocab_subset'])} most frequent response tokens" if config.get("vocab_subset")
+                  else "full")
+    if config.get("format") == EAGLE3_FORMAT:
+        title = "EAGLE-3 draft head"
+        described = [[f"- input: the target's states after layers {', '.join(map(str, config['aux_layers']))} (fused by "
+                     "`fc`) and the next token's embedding (`cats generate --method eagle3`; `cats export` for vLLM, "
+                     "SGLang and llama.cpp)"],
+                     [f"- layer: {config['num_attention_heads']} attention heads, {config['num_key_value_heads']} key/value "
+                     f"heads of {config['head_dim']}, MLP {config['intermediate_size']}; vocabulary: {vocabulary}"]]
+    else:
+        kind = config.get("input", "hidden")
+        features = kind != "hidden"
+        title = {"features": "feature draft adapter (EAGLE-style)",
+                 "features+hidden": f"early-exit feature draft adapter, layer {config['layer']}"}.get(
+            kind, f"{config['role']} adapter, layer {config['layer']}")
+        reads = {"features": f"the target's final features after all {config['layer']} layers and the next token's "
+                             "embedding (`cats generate --method eagle`)",
+                 "features+hidden": f"the target's final features and the next token's state after layer "
+                                    f"{config['layer']} (`cats generate --method early-exit`)"}
+        init = ("random" if config["init"] == "random" else "last layer") if features else config["init"]
+        described = [[f"- input: {reads[kind]}"] if features else [],
+                     [f"- block: {config['block']} (initialised: {init}), vocabulary: {vocabulary}"]]
     lines = [
         f"# CATS {title}",
         "",
-        *([f"- input: {reads[kind]}"] if features else []),
+        *described[0],
         f"- base model: `{config['base_model']['name']}` ({config['architecture']}, "
         f"{config['base_model']['num_layers']} layers, fingerprint `{config['base_model']['fingerprint']}`)",
-        f"- block: {config['block']} (initialised: {('random' if config['init'] == 'random' else 'last layer') if features else config['init']}), vocabulary: "
-        + (f"{len(config['vocab_subset'])} most frequent response tokens" if config.get("vocab_subset") else "full"),
+        *described[1],
         f"- training data: `{training.get('data')}` ({training.get('data_samples')} samples, "
         f"{training.get('data_response_tokens')} response tokens); held-out: `{training.get('eval_data')}`",
         f"- steps: {training.get('steps')}, training tokens: {training.get('train_tokens')}, wall time: "

@@ -7,6 +7,10 @@ cost, and subsampling buys more optimizer steps (the first trial's finding). Ada
 decay, gradient clipping. Checkpoints (accelerate state + our position in the data) every N steps and at each
 epoch end; a rerun with the same arguments resumes from the last one.
 
+An EAGLE-3 head (``--arch eagle3``, see `cats.model.eagle3`) trains on the data's states after its three aux layers:
+position t gets ``[h_a, h_b, h_c](t)`` and ``e(x_{t+1})`` (its ``fc`` fuses the three in the forward) and learns the
+target's distribution at t+1, with no feature regression (EAGLE-3 dropped it).
+
 A feature draft adapter (``--input features``, EAGLE-style, see `cats.model.adapter`) trains on the data's final
 features (``cats train features``): position t gets ``[f_t, e(x_{t+1})]`` and learns the target's distribution at
 t+1 (the token after next), plus ``--feature-loss`` times a smooth-L1 regression of its output to f_{t+1}.
@@ -35,11 +39,14 @@ import torch
 from cats.errors import InvalidArgumentError
 from cats.model import LayeredModel
 from cats.model.adapter import BLOCKS, INITS, INPUTS, ROLES, Adapter, new_adapter
+from cats.model.eagle3 import Eagle3Head, default_aux_layers, new_eagle3_head
 from cats.train.card import write_model_card
 from cats.train.folder import DataMix, TrainingData
 
 GAMMA = 6
 SAVE_DTYPES = ("float32", "bfloat16")
+ARCHS = ("adapter", "eagle3")  # a CATS adapter (its role and input say which), or an EAGLE-3 head
+EAGLE3_ONLY = ("aux_layers", "heads", "kv_heads", "intermediate_size")  # TrainConfig fields of --arch eagle3 only
 
 
 @dataclass
@@ -68,8 +75,47 @@ class TrainConfig:
     tensorboard: bool = False
     progress: bool = True
     command: str | None = None  # the command line that started the run, for the model card
+    arch: str = "adapter"  # "adapter" or "eagle3" (then role "draft", layer = the model's depth)
+    aux_layers: list[int] | None = None  # eagle3: the target layers it reads (default 2, n // 2, n - 3)
+    heads: int | None = None  # eagle3: attention heads (default the target's)
+    kv_heads: int | None = None  # eagle3: key/value heads (default the target's, at most heads)
+    intermediate_size: int | None = None  # eagle3: MLP width (default the target's)
 
     def validate(self, model: LayeredModel, data: TrainingData | DataMix) -> None:
+        if self.arch not in ARCHS:
+            raise InvalidArgumentError(f"--arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
+        if self.arch == "eagle3":
+            self._validate_eagle3(model, data)
+        else:
+            given = [name for name in EAGLE3_ONLY if getattr(self, name) is not None]
+            if given:
+                raise InvalidArgumentError(f"--{given[0].replace('_', '-')} is a setting of --arch eagle3")
+            self._validate_adapter(model, data)
+        if self.epochs <= 0 or self.lr <= 0 or self.batch_tokens < 1 or not 0 < self.position_fraction <= 1:
+            raise InvalidArgumentError("--epochs, --lr and --batch-tokens must be positive and --position-fraction in (0, 1]")
+        if model.dtype not in (torch.float32, torch.float64):
+            raise InvalidArgumentError(f"train adapters on a float32 model (this one is {model.dtype}); "
+                                       "the adapter is converted to the decoding dtype when loaded")
+        if self.save_dtype not in SAVE_DTYPES:
+            raise InvalidArgumentError(f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}, got {self.save_dtype!r}")
+        if self.draft_vocab is not None and not 1 <= self.draft_vocab <= model.vocab_size:
+            raise InvalidArgumentError(f"--draft-vocab must lie in [1, {model.vocab_size}], got {self.draft_vocab}")
+
+    def _validate_eagle3(self, model: LayeredModel, data: TrainingData | DataMix) -> None:
+        if self.role != "draft" or self.layer != model.num_layers or self.input != "hidden":
+            raise InvalidArgumentError("an EAGLE-3 head drafts from its aux layers: --role, --layer and --input do "
+                                       "not apply to --arch eagle3")
+        aux = self.aux_layers or default_aux_layers(model.num_layers)
+        missing = [layer for layer in aux if layer not in data.layers]
+        if missing:
+            raise InvalidArgumentError(f"the training data holds hidden states of layers {data.layers}, not of "
+                                       f"{missing}; make data with --layers {','.join(map(str, aux))} or pass "
+                                       "--aux-layers among them")
+        for name in ("heads", "kv_heads", "intermediate_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise InvalidArgumentError(f"--{name.replace('_', '-')} must be positive")
+
+    def _validate_adapter(self, model: LayeredModel, data: TrainingData | DataMix) -> None:
         if self.role not in ROLES:
             raise InvalidArgumentError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.init not in INITS or self.block not in BLOCKS:
@@ -93,15 +139,6 @@ class TrainConfig:
         if reads_layer and self.layer not in data.layers:
             raise InvalidArgumentError(f"the training data holds hidden states of layers {data.layers}, not of layer "
                                        f"{self.layer}; make data with --layers including {self.layer}")
-        if self.epochs <= 0 or self.lr <= 0 or self.batch_tokens < 1 or not 0 < self.position_fraction <= 1:
-            raise InvalidArgumentError("--epochs, --lr and --batch-tokens must be positive and --position-fraction in (0, 1]")
-        if model.dtype not in (torch.float32, torch.float64):
-            raise InvalidArgumentError(f"train adapters on a float32 model (this one is {model.dtype}); "
-                                       "the adapter is converted to the decoding dtype when loaded")
-        if self.save_dtype not in SAVE_DTYPES:
-            raise InvalidArgumentError(f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}, got {self.save_dtype!r}")
-        if self.draft_vocab is not None and not 1 <= self.draft_vocab <= model.vocab_size:
-            raise InvalidArgumentError(f"--draft-vocab must lie in [1, {model.vocab_size}], got {self.draft_vocab}")
 
 
 # ---------------------------------------------------------------------------------------------------------- batches
@@ -121,10 +158,21 @@ def make_batches(data: TrainingData | DataMix, batch_tokens: int, rng: random.Ra
     return batches
 
 
-def load_sample(data: TrainingData | DataMix, index: int, layer: int, adapter: Adapter) -> dict:
+def load_sample(data: TrainingData | DataMix, index: int, layer: int, adapter: Adapter | Eagle3Head) -> dict:
     """Sample ``index`` as the adapter reads it: ``hidden[layer]`` is its input. For a feature adapter the sample
     is shifted by one: position t holds ``[f_t, e(x_{t+1})]``, its teacher is the target's distribution at t+1,
-    and ``next_features`` [T-1, H] holds f_{t+1}."""
+    and ``next_features`` [T-1, H] holds f_{t+1}. For an EAGLE-3 head likewise, position t holding its three aux
+    states and ``e(x_{t+1})`` ``[4H]``."""
+    if isinstance(adapter, Eagle3Head):
+        aux = adapter.feature_layers
+        sample = data.sample(index, layers=list(aux))
+        states, ids = sample.pop("hidden"), sample["input_ids"]
+        dtype = adapter.fc.weight.dtype
+        with torch.no_grad():
+            embedded = adapter.target.hf_model.get_input_embeddings()(ids[1:]).to(dtype)
+        inputs = torch.cat([states[i][:-1].to(dtype) for i in aux] + [embedded], dim=-1)
+        return {**sample, "input_ids": ids[1:], "loss_mask": sample["loss_mask"][1:], "hidden": {layer: inputs},
+                "topk_ids": sample["topk_ids"][1:], "topk_probs": sample["topk_probs"][1:]}
     if adapter.fc is None:
         return data.sample(index, layers=[layer])
     hybrid = adapter.config.input == "features+hidden"  # the next token's state after layer L, not its embedding
@@ -193,7 +241,7 @@ def soft_cross_entropy(logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_
 
 # ---------------------------------------------------------------------------------------------------------- metrics
 @torch.no_grad()
-def evaluate(adapter: Adapter, data: TrainingData, layer: int, vocab_index, device, batch_tokens: int = 4096) -> dict:
+def evaluate(adapter: Adapter | Eagle3Head, data: TrainingData, layer: int, vocab_index, device, batch_tokens: int = 4096) -> dict:
     """Held-out agreement, top-k overlap and expected accepted length of a gamma-6 chain (see module doc)."""
     adapter.eval()
     agree_total, overlap_total, positions, chain_lengths = 0, 0.0, 0, []
@@ -232,8 +280,8 @@ def chain_accept_lengths(agreements: list[bool], gamma: int) -> list[int]:
     return [next((j for j in range(gamma) if not agreements[s + j]), gamma) for s in range(len(agreements) - gamma + 1)]
 
 
-def _window(adapter: Adapter) -> int | None:
-    return adapter.target.sliding_window if adapter.kind == "sliding_attention" else None
+def _window(adapter: Adapter | Eagle3Head) -> int | None:
+    return adapter.target.sliding_window if getattr(adapter, "kind", None) == "sliding_attention" else None
 
 
 # ---------------------------------------------------------------------------------------------------------- training
@@ -259,8 +307,12 @@ def train_adapter(model: LayeredModel, data: TrainingData | DataMix, config: Tra
         vocab_index = torch.full((model.vocab_size,), -1, dtype=torch.long)
         vocab_index[torch.tensor(vocab)] = torch.arange(len(vocab))
     torch.manual_seed(config.seed)
-    adapter = new_adapter(model, config.role, config.layer, block=config.block, init=config.init, vocab_subset=vocab,
-                          input=config.input)
+    if config.arch == "eagle3":
+        adapter = new_eagle3_head(model, config.aux_layers, heads=config.heads, kv_heads=config.kv_heads,
+                                  intermediate_size=config.intermediate_size, vocab_subset=vocab)
+    else:
+        adapter = new_adapter(model, config.role, config.layer, block=config.block, init=config.init,
+                              vocab_subset=vocab, input=config.input)
     adapter.train()
     batches_per_epoch = len(make_batches(data, config.batch_tokens, random.Random(config.seed)))
     total_steps = max(1, math.ceil(batches_per_epoch * config.epochs / accelerator.num_processes))
@@ -282,7 +334,7 @@ def train_adapter(model: LayeredModel, data: TrainingData | DataMix, config: Tra
         accelerator.init_trackers("cats-adapter")
     started = time.perf_counter() - state["wall_s"]
     bar = tqdm(total=total_steps, initial=state["step"], disable=not config.progress or not accelerator.is_main_process,
-               desc=f"{config.role}@{config.layer}")
+               desc=config.arch if config.arch != "adapter" else f"{config.role}@{config.layer}")
     rng_positions = torch.Generator().manual_seed(config.seed + state["step"])
     window = _window(adapter)
     while state["step"] < total_steps:

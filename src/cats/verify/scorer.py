@@ -17,7 +17,8 @@ def score_proposal(state: DecodeState, proposal: Proposal) -> torch.Tensor:
     p(. | prefix, x, the path to node i). Trees use the tree attention mask and depth-based positions.
 
     Appends k+1 slots to every layer of the cache (the layers the drafter already ran keep theirs); leaves the
-    final states ``[k+1, H]`` in ``state.final_hidden``."""
+    final states ``[k+1, H]`` in ``state.final_hidden`` and those after the layers keyed in ``state.layer_hidden``
+    under their keys."""
     model, committed = state.model, state.committed_length
     positions, attend = None, None
     if proposal.is_tree:
@@ -27,7 +28,11 @@ def score_proposal(state: DecodeState, proposal: Proposal) -> torch.Tensor:
         hidden = proposal.hidden
     else:
         hidden = model.embed(torch.cat([torch.tensor([state.token_ids[-1]]), proposal.tokens]))
-    hidden = model.forward_layers(hidden, start, model.num_layers, state.cache, position_ids=positions, attend=attend)
+    if any(layer <= start for layer in state.layer_hidden):
+        raise RuntimeError(f"the verification starts after layer {start}: it cannot keep the states of layers "
+                           f"{sorted(state.layer_hidden)}")
+    hidden = model.forward_layers(hidden, start, model.num_layers, state.cache, position_ids=positions, attend=attend,
+                                  capture=state.layer_hidden if state.layer_hidden else None)
     state.final_hidden = hidden[0]
     return model.head(hidden[0])
 

@@ -98,9 +98,9 @@ def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max
         prior = float(final.get("agreement", 0.5))
         # one adapter block and the (reduced) head per draft token: the block's share of a forward, plus the head
         cost = draft_cost(model, 1.0 / model.num_layers)
-        options.append(DraftOption("eagle-chain", FeatureDrafterView(core, 1, limit, limit), limit, prior, cost))
-        options.append(DraftOption("eagle", FeatureDrafterView(core, tree_topk, total_tokens, depth), total_tokens, prior,
-                                   cost * expanded, tree=True))
+        options.append(DraftOption(f"{core.name}-chain", FeatureDrafterView(core, 1, limit, limit), limit, prior, cost))
+        options.append(DraftOption(core.name, FeatureDrafterView(core, tree_topk, total_tokens, depth), total_tokens,
+                                   prior, cost * expanded, tree=True))
     # the verification cost's shape in n, measured now (~0.8 s for SmolLM2); for layers streamed from disk, the read
     # time or the compute, whichever is longer (measuring whole forwards would stream every layer 30 times)
     shape = measure_shape(model) if getattr(model, "weights", None) is None else streamed_shape(model)

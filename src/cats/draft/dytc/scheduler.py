@@ -168,6 +168,7 @@ class DyTCDrafter(Drafter, Planner):
         # every committed token whichever option drafted, and catches up on them when one of its options is chosen
         self.features = features
         self.wants_features = features is not None
+        self.feature_layers = features.feature_layers if features is not None else ()
         self.wants_target_logits = any(option.drafter.wants_target_logits for option in options)
         self.options = {option.key: option for option in options}
         self.recycle = free_trees[0] if free_trees else None  # the near-free tree option
@@ -278,8 +279,8 @@ class DyTCDrafter(Drafter, Planner):
             self._counts["hindsight"] += 1
         self._records = waiting
 
-    def take_features(self, final_states: torch.Tensor) -> None:
-        self.features.take_features(final_states)
+    def take_features(self, final_states: torch.Tensor, layer_states: dict[int, torch.Tensor] | None = None) -> None:
+        self.features.take_features(final_states, layer_states)
 
     def take_target_logits(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         for option in self.options.values():  # token recycling learns from every verification, whoever drafted
