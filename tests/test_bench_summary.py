@@ -118,3 +118,17 @@ def test_shallow_counters_are_summed_over_turns():
     assert total["precision"] == round(4 / 6, 4) and total["recall"] == round(4 / 6, 4)
     assert total["keep_rate"] == 0.6 and total["steps"] == 3
     assert shallow_totals([{"choices": [{}]}]) is None
+
+
+def test_tokens_per_forward_and_draft_acceptance_by_hand():
+    """A server that reports no accept lengths: turns of 9 and 5 new tokens in 1 + 3 and 1 + 2 target forwards are
+    (8 + 4) / (3 + 2) = 2.4 tokens per forward; 12 drafted, 7 accepted = 7/12."""
+    served = answer(1, "writing", [9, 5], [1.0, 1.0], [])
+    served["choices"][0].update(decoding_steps=[4, 3], drafts=[[8, 5], [4, 2]])
+    plain = answer(1, "writing", [9, 5], [2.0, 2.0], [1] * 12)
+    plain["choices"][0]["decoding_steps"] = [9, 5]
+    methods = summarize({"ar": [plain], "llama-server-eagle3": [served]}, RUN)["methods"]
+    entry = methods["llama-server-eagle3"]
+    assert entry["mean_accepted"] is None and entry["tokens_per_forward"] == pytest.approx(2.4)
+    assert entry["draft_acceptance"] == pytest.approx(7 / 12, abs=1e-4)
+    assert methods["ar"]["tokens_per_forward"] == pytest.approx(1.0) and methods["ar"]["draft_acceptance"] is None

@@ -3,11 +3,12 @@
     {"question_id", "category", "model_id", "method",
      "choices": [{"index": 0, "turns": [text per turn], "token_ids": [[ids] per turn], "new_tokens": [n per turn],
                   "wall_time": [s per turn], "accept_lengths": [tokens per target forward after the first, all turns],
-                  "decoding_steps": [target forwards per turn]}],
+                  "decoding_steps": [target forwards per turn],
+                  "drafts": [[drafted, accepted] draft tokens per turn] (methods that draft)}],
      "error": null or "ExceptionType: message" (the turns answered before the error are kept),
      "tstamp"}
 
-``token_ids`` is CATS's addition (token-for-token equality); the other choice keys are Spec-Bench's.
+``token_ids`` (token-for-token equality) and ``drafts`` are CATS's additions; the other choice keys are Spec-Bench's.
 
 An answer file is written as ``<name>.partial`` and renamed to its final name only when every question is in it,
 so an interrupted run never leaves a file that looks complete.

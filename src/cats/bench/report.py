@@ -53,7 +53,9 @@ def render_report(summary: dict, requested_methods: list[str] | None = None) -> 
         f"- exact match: fraction of questions whose tokens equal those of "
         f"{f'`{reference}`' if reference else '(no reference: sampled run, or neither ar nor hf-ar ran)'}; "
         "prefix agreement: mean fraction of the reference's tokens reproduced before the first difference",
-        "- mean accepted: tokens committed per target forward after the first (1.00 for plain decoding)",
+        "- mean accepted: tokens committed per target forward after the first (1.00 for plain decoding; llama-server: "
+        "its new tokens over its verification rounds, counted from its accepted drafts); drafts accepted: accepted "
+        "over drafted tokens, for methods that draft",
         ("- peak RSS: each method ran alone in its own process under the budget; its peak resident memory "
          "(VmHWM, loading included)" if summary.get("memory_budget") else
          "- peak RSS: the process's resident memory while the method ran (shared weights included); a method in a "
@@ -66,14 +68,16 @@ def render_report(summary: dict, requested_methods: list[str] | None = None) -> 
         "",
         "## All questions",
         "",
-        "| method | acceptance | tokens/s | speedup | speedup (aggregate) | mean accepted | new tokens | wall s "
-        "| peak RSS MB | exact match | prefix agreement | failures | weights, kernels |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | acceptance | tokens/s | speedup | speedup (aggregate) | mean accepted | drafts accepted "
+        "| new tokens | wall s | peak RSS MB | exact match | prefix agreement | failures | weights, kernels |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in methods.items():
         lines.append(
             f"| {name} | {m.get('acceptance', 'exact')} | {_cell(m['tokens_per_s'], 1)} | {_cell(m['speedup'], 2, 'x')} "
-            f"| {_cell(m['speedup_aggregate'], 2, 'x')} | {_cell(m['mean_accepted'])} | {m['new_tokens']} "
+            f"| {_cell(m['speedup_aggregate'], 2, 'x')} "
+            f"| {_cell(m['mean_accepted'] if m['mean_accepted'] is not None else m.get('tokens_per_forward'))} "
+            f"| {_percent(m.get('draft_acceptance'))} | {m['new_tokens']} "
             f"| {_cell(m['wall_s'], 1)} | {_cell(m['peak_rss_mb'], 0)} | {_percent(m['exact_match'])} "
             f"| {_percent(m.get('prefix_agreement'))} | {m['failures']} | {(m.get('settings') or {}).get('weights', '–')} |"
         )

@@ -186,6 +186,8 @@ def answer_question(method: BenchMethod, question: Question, tokenizer, config: 
                 choice.setdefault("scheduler", []).append(result.scheduler)
             if result.offload is not None:
                 choice.setdefault("offload", []).append(result.offload)
+            if result.drafts is not None:
+                choice.setdefault("drafts", []).append(list(result.drafts))
             conversation.add_answer(prompt_ids, result.token_ids)
     except Exception as error:  # a method's crash on one question must not end the run
         answer["error"] = f"{type(error).__name__}: {error}"

@@ -82,6 +82,22 @@ def mean_accepted(answers: Sequence[dict]) -> float | None:
     return float(np.mean(lengths)) if lengths else None
 
 
+def tokens_per_forward(answers: Sequence[dict]) -> float | None:
+    """New tokens per target forward after each turn's first (the prompt's), pooled: what every method reports,
+    llama-server's included (its forwards counted from its accepted drafts)."""
+    counted = [a for a in answers if choice(a).get("decoding_steps")]
+    tokens = sum(n - 1 for a in counted for n in choice(a)["new_tokens"] if n > 0)
+    steps = sum(max(0, n - 1) for a in counted for n in choice(a)["decoding_steps"])
+    return tokens / steps if steps else None
+
+
+def draft_acceptance(answers: Sequence[dict]) -> float | None:
+    """Accepted over drafted tokens, pooled over every turn of methods that record their drafts; None otherwise."""
+    drafts = [pair for a in answers for pair in choice(a).get("drafts", [])]
+    drafted = sum(pair[0] for pair in drafts)
+    return sum(pair[1] for pair in drafts) / drafted if drafted else None
+
+
 def answer_tokens(answer: dict) -> list:
     """What equality compares: the token ids of every turn, or the text turns for files without token ids."""
     c = choice(answer)
@@ -230,6 +246,8 @@ def summarize(
             "speedup": _round(ratio, 4),
             "speedup_aggregate": _round(aggregate, 4),
             "mean_accepted": _round(mean_accepted(good), 4),
+            "tokens_per_forward": _round(tokens_per_forward(good), 4),
+            "draft_acceptance": _round(draft_acceptance(good), 4),
             "new_tokens": sum(sum(choice(a)["new_tokens"]) for a in good),
             "wall_s": round(sum(sum(choice(a)["wall_time"]) for a in good), 4),
             "peak_rss_mb": (peak_rss_mb or {}).get(name),
