@@ -58,6 +58,28 @@ def test_the_cache_gives_the_full_forward_and_tiny_heads_draft_losslessly(family
         assert result.token_ids == expected, shape
 
 
+def test_the_training_time_test_is_what_drafting_computes():
+    """`unrolled`'s second step at t equals a draft node at position t + 1 fed the first step's output at t, over a
+    cache of the true entries 0..t (what `FeatureDrafter` does at depth 2)."""
+    model = tiny_model("llama")
+    head = new_eagle3_head(model, AUX, heads=4, kv_heads=2, intermediate_size=32).eval().requires_grad_(False)
+    with torch.no_grad():
+        for parameter in head.parameters():
+            parameter.normal_(0, 0.3)
+    size, length = model.config.hidden_size, 7
+    inputs = torch.randn(1, length, 4 * size, dtype=model.dtype, generator=torch.Generator().manual_seed(2))
+    first, second = head(inputs, attention_mask=causal_mask(length, model.dtype), unroll=True)
+    assert torch.allclose(first, head(inputs, attention_mask=causal_mask(length, model.dtype)))
+    fused = torch.cat([head.fc(inputs[..., : 3 * size]), inputs[..., 3 * size :]], dim=-1)
+    for t in range(length - 1):
+        cache = model.new_cache(extra_layers=1)
+        out = head(fused[:, : t + 1], cache)
+        node = torch.cat([out[:, t], inputs[:, t + 1, 3 * size :]], dim=-1)[None]
+        attend = torch.ones(1, t + 2, dtype=torch.bool)
+        drafted = head(node, cache, position_ids=torch.tensor([t + 1]), attend=attend)
+        assert torch.allclose(drafted[0, 0], second[0, t], atol=1e-10), t
+
+
 def test_head_files_and_errors(tmp_path):
     model = tiny_model("llama")
     head = new_eagle3_head(model, AUX, intermediate_size=16, vocab_subset=list(range(40)))

@@ -126,6 +126,9 @@ def add_adapter_parser(subparsers) -> None:
                         help="eagle3: key/value heads (default the target's, at most --heads)")
     parser.add_argument("--intermediate-size", type=integer, default=None,
                         help="eagle3: MLP width (default the target's)")
+    parser.add_argument("--ttt-weight", type=float, default=None,
+                        help="eagle3: weight of the training-time test's second step, fed its own output (default "
+                        "0.8; 0: off)")
     parser.add_argument("--out", type=Path, required=True, help="adapter folder to write")
     parser.add_argument("--epochs", type=float, default=1.0)
     parser.add_argument("--lr", type=float, default=1.5e-3)
@@ -163,7 +166,7 @@ def run_adapter_command(args: argparse.Namespace) -> int:
         if importlib.util.find_spec("tensorboard") is None:
             raise InvalidArgumentError("--tensorboard needs the tensorboard package: pip install tensorboard")
     adapter_only = ("role", "layer", "init", "block", "input", "feature_loss")
-    eagle3_only = ("aux_layers", "heads", "kv_heads", "intermediate_size")
+    eagle3_only = ("aux_layers", "heads", "kv_heads", "intermediate_size", "ttt_weight")
     for name in adapter_only if args.arch == "eagle3" else eagle3_only:
         if getattr(args, name) is not None:
             other = "an adapter (--arch adapter)" if args.arch == "eagle3" else "--arch eagle3"
@@ -175,7 +178,7 @@ def run_adapter_command(args: argparse.Namespace) -> int:
     eval_data = TrainingData.open(args.eval_data, model=model) if args.eval_data else None
     if args.arch == "eagle3":
         shape = dict(role="draft", layer=model.num_layers, arch="eagle3", heads=args.heads, kv_heads=args.kv_heads,
-                     intermediate_size=args.intermediate_size,
+                     intermediate_size=args.intermediate_size, ttt_weight=args.ttt_weight,
                      aux_layers=parse_layers(args.aux_layers) if args.aux_layers else None)
     else:
         shape = dict(role=args.role, layer=args.layer, init=args.init or "next", block=args.block or "decoder",

@@ -99,14 +99,20 @@ class _Attention(nn.Module):
         self.v_proj = nn.Linear(2 * size, kv_heads * dim, bias=False)
         self.o_proj = nn.Linear(heads * dim, size, bias=False)
 
-    def forward(self, x: torch.Tensor, rotary, mask: torch.Tensor | None, cache: KVCache | None, layer: int):
+    def forward(self, x: torch.Tensor, rotary, mask: torch.Tensor | None, cache: KVCache | None, layer: int,
+                earlier: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """``earlier``: keys and values ``[B, kv_heads, S, head_dim]`` placed before these tokens' (training-time
+        test: the first step's entries); ``self.last_kv`` keeps this call's own."""
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, *rotary)
+        self.last_kv = (k, v)
         if cache is not None:
             k, v = cache.hf_cache.update(k, v, layer)
+        if earlier is not None:
+            k, v = torch.cat([earlier[0], k], dim=2), torch.cat([earlier[1], v], dim=2)
         groups = self.heads // self.kv_heads
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -168,15 +174,18 @@ class Eagle3Head(DraftVocabulary, nn.Module):
         return torch.cat([g, embedded.to(g.dtype)], dim=-1)
 
     def forward(self, inputs: torch.Tensor, cache: KVCache | None = None, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, attend: torch.Tensor | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, attend: torch.Tensor | None = None,
+                unroll: bool = False):
         """``[B, T, 2H]`` (`feature_inputs`) -> the states before the final norm ``[B, T, H]`` (the next node's g;
         `logits` reads them). Training passes ``[B, T, 4H]`` instead: the three aux states and the embedding, so
-        that ``fc`` runs inside the forward.
+        that ``fc`` runs inside the forward; ``unroll=True`` then returns both steps of `unrolled`.
 
         With a cache (decoding, B = 1) the T entries are appended to the head's cache layer and attend to all
         earlier slots, or for tree nodes to those ``attend`` ``[T, P+T]`` allows. Without (training),
         ``attention_mask`` is a ready additive mask ``[B, 1, T, T]``."""
         model, size = self.target, self.config.hidden_size
+        if unroll:
+            return self.unrolled(inputs, attention_mask)
         if inputs.shape[-1] == 4 * size:  # three aux states + the embedding
             g, embedded = self.fc(inputs[..., : 3 * size]), inputs[..., 3 * size :]
         else:
@@ -189,15 +198,35 @@ class Eagle3Head(DraftVocabulary, nn.Module):
             positions = position_ids.to(inputs.device).unsqueeze(0)
         else:
             positions = torch.arange(inputs.shape[1], device=inputs.device).unsqueeze(0).expand(inputs.shape[0], -1)
-        layer = self.midlayer
-        x = torch.cat([layer.input_layernorm(embedded), layer.hidden_norm(g)], dim=-1)
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(x.dtype)
-        hidden = g + layer.self_attn(x, self.rotary(x, positions), attention_mask, cache, self.cache_layer)
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = self._layer(g, embedded, positions, attention_mask, cache)
         if cache is not None:
             cache.record(self.cache_layer, self.cache_layer + 1, position_ids.cpu())
         return hidden
+
+    def _layer(self, g, embedded, positions, mask, cache=None, earlier=None) -> torch.Tensor:
+        layer = self.midlayer
+        x = torch.cat([layer.input_layernorm(embedded), layer.hidden_norm(g)], dim=-1)
+        if mask is not None:
+            mask = mask.to(x.dtype)
+        hidden = g + layer.self_attn(x, self.rotary(x, positions), mask, cache, self.cache_layer, earlier)
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def unrolled(self, inputs: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training-time test (EAGLE-3): the forward on ``[B, T, 4H]`` (as in training), then a second step as drafting
+        runs it: at t < T-1 the input is ``[this step's output at t, e(x_{t+2})]`` at position t + 1, attending to
+        the first step's entries up to t and to itself. Returns both steps' outputs before the final norm:
+        ``[B, T, H]`` (predicting the teacher at t) and ``[B, T-1, H]`` (predicting the teacher at t + 1)."""
+        size = self.config.hidden_size
+        batch, length = inputs.shape[:2]
+        g, embedded = self.fc(inputs[..., : 3 * size]), inputs[..., 3 * size :]
+        positions = torch.arange(length, device=inputs.device).unsqueeze(0).expand(batch, -1)
+        first = self._layer(g, embedded, positions, attention_mask)
+        earlier = self.midlayer.self_attn.last_kv
+        own = torch.full((length - 1, length - 1), torch.finfo(attention_mask.dtype).min, dtype=attention_mask.dtype)
+        own.fill_diagonal_(0)
+        mask = torch.cat([attention_mask[:, :, :-1, :], own.expand(batch, 1, -1, -1)], dim=-1)
+        second = self._layer(first[:, :-1], embedded[:, 1:], positions[:, 1:], mask, earlier=earlier)
+        return first, second
 
     def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary of output states ``[..., H]`` (final norm, then the read-out)."""

@@ -9,7 +9,8 @@ epoch end; a rerun with the same arguments resumes from the last one.
 
 An EAGLE-3 head (``--arch eagle3``, see `cats.model.eagle3`) trains on the data's states after its three aux layers:
 position t gets ``[h_a, h_b, h_c](t)`` and ``e(x_{t+1})`` (its ``fc`` fuses the three in the forward) and learns the
-target's distribution at t+1, with no feature regression (EAGLE-3 dropped it).
+target's distribution at t+1, with no feature regression (EAGLE-3 dropped it). Its training-time test adds a second
+step fed the first step's own output, as drafting feeds it (`Eagle3Head.unrolled`), weighted ``--ttt-weight``.
 
 A feature draft adapter (``--input features``, EAGLE-style, see `cats.model.adapter`) trains on the data's final
 features (``cats train features``): position t gets ``[f_t, e(x_{t+1})]`` and learns the target's distribution at
@@ -45,8 +46,9 @@ from cats.train.folder import DataMix, TrainingData
 
 GAMMA = 6
 SAVE_DTYPES = ("float32", "bfloat16")
+TTT_WEIGHT = 0.8  # EAGLE-3's decay for the training-time test's second step
 ARCHS = ("adapter", "eagle3")  # a CATS adapter (its role and input say which), or an EAGLE-3 head
-EAGLE3_ONLY = ("aux_layers", "heads", "kv_heads", "intermediate_size")  # TrainConfig fields of --arch eagle3 only
+EAGLE3_ONLY = ("aux_layers", "heads", "kv_heads", "intermediate_size", "ttt_weight")  # TrainConfig fields of --arch eagle3 only
 
 
 @dataclass
@@ -80,6 +82,7 @@ class TrainConfig:
     heads: int | None = None  # eagle3: attention heads (default the target's)
     kv_heads: int | None = None  # eagle3: key/value heads (default the target's, at most heads)
     intermediate_size: int | None = None  # eagle3: MLP width (default the target's)
+    ttt_weight: float | None = None  # eagle3: weight of the training-time test's second step (default 0.8; 0: off)
 
     def validate(self, model: LayeredModel, data: TrainingData | DataMix) -> None:
         if self.arch not in ARCHS:
@@ -114,6 +117,10 @@ class TrainConfig:
         for name in ("heads", "kv_heads", "intermediate_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidArgumentError(f"--{name.replace('_', '-')} must be positive")
+        if self.ttt_weight is None:
+            self.ttt_weight = TTT_WEIGHT
+        if self.ttt_weight < 0:
+            raise InvalidArgumentError(f"--ttt-weight must be >= 0, got {self.ttt_weight}")
 
     def _validate_adapter(self, model: LayeredModel, data: TrainingData | DataMix) -> None:
         if self.role not in ROLES:
@@ -350,9 +357,20 @@ def train_adapter(model: LayeredModel, data: TrainingData | DataMix, config: Tra
             if not chosen.any():
                 chosen[0] = True
             where = batch.positions[chosen]
-            normed = wrapped(batch.hidden, attention_mask=batch.attention_mask)
+            second = None
+            if isinstance(adapter, Eagle3Head) and config.ttt_weight:  # its own output fed back: a second step
+                normed, second = wrapped(batch.hidden, attention_mask=batch.attention_mask, unroll=True)
+            else:
+                normed = wrapped(batch.hidden, attention_mask=batch.attention_mask)
             logits = adapter.logits(normed[where[:, 0], where[:, 1]])
             loss = soft_cross_entropy(logits, batch.teacher_ids[chosen.to(device)], batch.teacher_probs[chosen.to(device)])
+            if second is not None:  # step two at t predicts the teacher at t + 1
+                later = chosen & (batch.positions[:, 1] >= 1)
+                if later.any():
+                    rows = batch.positions[later]
+                    step_two = adapter.logits(second[rows[:, 0], rows[:, 1] - 1])
+                    loss = loss + config.ttt_weight * soft_cross_entropy(
+                        step_two, batch.teacher_ids[later.to(device)], batch.teacher_probs[later.to(device)])
             if batch.next_features is not None and config.feature_loss:  # regression on every loss position
                 every = batch.positions
                 loss = loss + config.feature_loss * torch.nn.functional.smooth_l1_loss(
