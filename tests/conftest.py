@@ -118,3 +118,34 @@ def stories_chat_dir(tmp_path_factory) -> Path:
         shutil.copy(item, folder / item.name)
     (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return folder
+
+
+STORY_PROMPTS = ["Lily saw a big red ball.", "Tom and his dog went to the park.", "The sun was hot.",
+                 "A little bird could not fly.", "Sam had a toy car.", "Mom made a cake.", "The cat sat on a mat.",
+                 "Ben found a shiny rock."]
+STORY_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}\n{% endfor %}"
+
+
+def stories_for_training() -> LayeredModel:
+    """stories260K in float32 with a plain chat template, one thread: the model of the training tests."""
+    import cats
+
+    torch.set_num_threads(1)
+    model = cats.load_model(STORIES_HF, dtype="float32")
+    model.tokenizer.chat_template = STORY_TEMPLATE
+    return model
+
+
+def stories_training_data(model: LayeredModel, folder: Path, layers: list[int]):
+    """Sampled answers to `STORY_PROMPTS` (two each, 40 tokens), with the states after ``layers``."""
+    import json
+
+    from cats.train.data import DataConfig, make_training_data
+    from cats.train.folder import TrainingData
+
+    prompts = folder / "prompts.json"
+    prompts.write_text(json.dumps([{"conversations": [{"from": "human", "value": p}]} for p in STORY_PROMPTS]))
+    make_training_data(model, DataConfig(prompts=prompts, out=folder / "data", layers=layers, max_new_tokens=40,
+                                         samples_per_prompt=2, temperature=1.0, top_k=8, batch_size=4,
+                                         shard_prompts=4, progress=False))
+    return TrainingData.open(folder / "data", model=model)

@@ -11,23 +11,16 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import cats
 from cats.config import DraftConfig, GenerationConfig
 from cats.draft.eagle import FeatureDrafter
 from cats.errors import InvalidArgumentError
 from cats.loop.generator import Generator
 from cats.methods import make_drafter, memory_needs
 from cats.model.eagle3 import Eagle3Error, load_eagle3_head, new_eagle3_head
-from cats.train.data import DataConfig, make_training_data
-from cats.train.folder import TrainingData
 from cats.train.trainer import TrainConfig, evaluate, train_adapter
-from tests.conftest import STORIES_HF, VOCAB, hf_greedy, needs, tiny_model
+from tests.conftest import STORIES_HF, VOCAB, hf_greedy, needs, stories_for_training, stories_training_data, tiny_model
 
 AUX = [1, 2, 3]
-CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}\n{% endfor %}"
-PROMPTS = ["Lily saw a big red ball.", "Tom and his dog went to the park.", "The sun was hot.",
-           "A little bird could not fly.", "Sam had a toy car.", "Mom made a cake.", "The cat sat on a mat.",
-           "Ben found a shiny rock."]
 SHAPES = [dict(tree_topk=1, total_tokens=5, depth=5), dict(tree_topk=4, total_tokens=16, depth=5)]
 
 
@@ -120,21 +113,12 @@ def test_head_files_and_errors(tmp_path):
 def stories():
     if not STORIES_HF.exists():
         pytest.skip(f"{STORIES_HF} not present (../shared data missing)")
-    torch.set_num_threads(1)
-    model = cats.load_model(STORIES_HF, dtype="float32")
-    model.tokenizer.chat_template = CHAT_TEMPLATE
-    return model
+    return stories_for_training()
 
 
 @pytest.fixture(scope="module")
 def aux_data(stories, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("eagle3-data")
-    prompts = folder / "prompts.json"
-    prompts.write_text(json.dumps([{"conversations": [{"from": "human", "value": p}]} for p in PROMPTS]))
-    make_training_data(stories, DataConfig(prompts=prompts, out=folder / "data", layers=AUX, max_new_tokens=40,
-                                           samples_per_prompt=2, temperature=1.0, top_k=8, batch_size=4,
-                                           shard_prompts=4, progress=False))
-    return TrainingData.open(folder / "data", model=stories)
+    return stories_training_data(stories, tmp_path_factory.mktemp("eagle3-data"), AUX)
 
 
 @needs(STORIES_HF)

@@ -8,41 +8,26 @@ import random
 import pytest
 import torch
 
-import cats
 from cats.draft import EarlyExitDrafter
 from cats.model.adapter import load_adapter, new_adapter
 from cats.errors import InvalidArgumentError
 from cats.config import GenerationConfig
 from cats.loop.generator import Generator
-from cats.train.data import DataConfig, make_training_data
 from cats.train.folder import DataMix, TrainingData
 from cats.train.trainer import TrainConfig, chain_accept_lengths, evaluate, make_batches, soft_cross_entropy, train_adapter
-from tests.conftest import STORIES_HF, needs
+from tests.conftest import STORIES_HF, needs, stories_for_training, stories_training_data
 
 pytestmark = needs(STORIES_HF)
-CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}\n{% endfor %}"
-PROMPTS = ["Lily saw a big red ball.", "Tom and his dog went to the park.", "The sun was hot.",
-           "A little bird could not fly.", "Sam had a toy car.", "Mom made a cake.", "The cat sat on a mat.",
-           "Ben found a shiny rock."]
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.set_num_threads(1)
-    model = cats.load_model(STORIES_HF, dtype="float32")
-    model.tokenizer.chat_template = CHAT_TEMPLATE
-    return model
+    return stories_for_training()
 
 
 @pytest.fixture(scope="module")
 def data(model, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("data")
-    prompts = folder / "prompts.json"
-    prompts.write_text(json.dumps([{"conversations": [{"from": "human", "value": p}]} for p in PROMPTS]))
-    make_training_data(model, DataConfig(prompts=prompts, out=folder / "data", layers=[1, 2], max_new_tokens=40,
-                                         samples_per_prompt=2, temperature=1.0, top_k=8, batch_size=4,
-                                         shard_prompts=4, progress=False))
-    return TrainingData.open(folder / "data", model=model)
+    return stories_training_data(model, tmp_path_factory.mktemp("data"), [1, 2])
 
 
 def test_hand_computed_metrics():
