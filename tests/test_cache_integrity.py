@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -161,6 +162,24 @@ def test_conversion_of_an_older_cats_without_records_is_converted_again(cache, c
     with pytest.warns(UserWarning):
         cats.load_model(STORIES_GGUF, kernels="aten")
     assert "has no checksum" in capsys.readouterr().err
+    cats.model.source.verify_conversion(folder)
+
+
+@needs(STORIES_GGUF)
+def test_conversion_follows_its_gguf_file_when_moved(cache, tmp_path):
+    """The conversion is keyed by the file's bytes; a copy elsewhere reuses it, and its record then names the copy
+    (where the quantised blocks of a memory budget's layer store are read), not a path that may be gone."""
+    moved = tmp_path / "moved" / STORIES_GGUF.name
+    moved.parent.mkdir()
+    shutil.copyfile(STORIES_GGUF, moved)
+    with pytest.warns(UserWarning):
+        cats.load_model(STORIES_GGUF, kernels="aten")
+    (folder,) = (cache / "gguf").iterdir()
+    assert cache_files.read_json(folder / "cats-source.json")["gguf"] == str(STORIES_GGUF.resolve())
+    with pytest.warns(UserWarning):
+        cats.load_model(moved, kernels="aten")
+    assert [p.name for p in (cache / "gguf").iterdir()] == [folder.name]  # not converted again
+    assert cache_files.read_json(folder / "cats-source.json")["gguf"] == str(moved.resolve())
     cats.model.source.verify_conversion(folder)
 
 

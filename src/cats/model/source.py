@@ -23,7 +23,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from cats.cache_files import Damaged, check_folder, clean_stale, discard, notice, staging_folder, write_record
+from cats.cache_files import (Damaged, check_folder, clean_stale, discard, notice, staging_folder, write_json,
+                              write_record)
 from cats.errors import (
     CatsError,
     DamagedFileError,
@@ -272,7 +273,10 @@ def convert_gguf(gguf_path: Path) -> Path:
     target = cache_root() / "gguf" / f"{gguf_path.stem}-{_file_digest(gguf_path)[:16]}"
     clean_stale(target.parent, legacy=LEGACY_CONVERSION_STAGING)
     try:
-        verify_conversion(target)
+        record = check_folder(target, SOURCE_RECORD)
+        if record.get("gguf") != str(gguf_path.resolve()):  # the same bytes, moved or copied since: the quantised
+            with contextlib.suppress(OSError):               # blocks (`GGUFBlocks.of_checkpoint`) are read from here
+                write_json(target / SOURCE_RECORD, {**record, "gguf": str(gguf_path.resolve())})
         return target
     except FileNotFoundError:
         pass
