@@ -150,14 +150,19 @@ def test_llama_server_without_a_binary_says_how_to_get_one(monkeypatch, tmp_path
 
 
 @needs(STORIES_GGUF)
-def test_llama_server_answers_with_token_ids():
+def test_llama_server_answers_with_token_ids(tmp_path):
     from cats.bench import llama_server
+    from cats.bench.methods import MethodUnavailableError
+    from cats.model.eagle3 import new_eagle3_head
 
     if llama_server.find_llama_server() is None:
         pytest.skip("llama-server is not installed (pip install 'cats[llama-server]')")
     model = cats.load_model(STORIES_GGUF)
-    for name in llama_server.LLAMA_SERVER_METHODS:
-        method = make_method(name, BenchContext(model, str(STORIES_GGUF), MethodSettings()))
+    with pytest.raises(MethodUnavailableError, match="needs --adapters"):
+        make_method("llama-server-eagle3", BenchContext(model, str(STORIES_GGUF), MethodSettings()))
+    new_eagle3_head(model, [1, 2, 3], heads=4, kv_heads=2, intermediate_size=32).save(tmp_path / "eagle3")
+    for name in llama_server.LLAMA_SERVER_METHODS:  # eagle3: the head exported and loaded as llama.cpp's draft
+        method = make_method(name, BenchContext(model, str(STORIES_GGUF), MethodSettings(adapters=str(tmp_path))))
         try:
             result = method.generate([1, 400, 30], 12)
         finally:

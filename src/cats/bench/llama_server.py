@@ -203,7 +203,15 @@ class LlamaServerMethod(BenchMethod):
                 "return_tokens": True, "repeat_penalty": 1.0, **self.sampling}
         if seed is not None and self.sampling["temperature"] > 0:
             body["seed"] = int(seed)
-        result = self._request("/completion", body)
+        try:
+            result = self._request("/completion", body)
+        except (urllib.error.URLError, ConnectionError) as error:
+            if self.process.poll() is None:
+                raise
+            detail = self.process.stderr.read().decode(errors="replace").strip().splitlines()
+            failed = [line for line in detail if "failed" in line or "error" in line.lower()][-2:] or detail[-2:]
+            raise RuntimeError(f"llama-server exited ({self.process.returncode}) during a request: "
+                               + " | ".join(line.strip() for line in failed)) from error
         tokens = [int(t) for t in result.get("tokens", [])][:max_new_tokens]
         if result.get("stop_type") == "eos" and len(tokens) < max_new_tokens and self.eos:
             tokens.append(self.eos[0])  # the server does not return the end-of-sequence token; CATS's methods do
