@@ -16,6 +16,7 @@ from cats.draft.eagle import FeatureDrafter
 from cats.errors import InvalidArgumentError
 from cats.loop.generator import Generator
 from cats.methods import make_drafter, memory_needs
+from cats.model.adapter import new_adapter
 from cats.model.eagle3 import Eagle3Error, load_eagle3_head, new_eagle3_head
 from cats.train.trainer import TrainConfig, evaluate, train_adapter
 from tests.conftest import STORIES_HF, VOCAB, hf_greedy, needs, stories_for_training, stories_training_data, tiny_model
@@ -149,6 +150,15 @@ def test_eagle3_trains_and_drafts_losslessly(stories, aux_data, tmp_path):
     result = Generator(model, dytc).generate(prompt, GenerationConfig(max_new_tokens=40))
     assert result.token_ids == expected
     assert {"eagle3", "eagle3-chain"} <= set(result.stats.scheduler["choices"]) | set(dytc.options)
+
+    # beside a feature adapter, dytc drafts with whichever records the higher held-out agreement
+    feature = new_adapter(model, "draft", depth, input="features")
+    for recorded, chosen in ((after["agreement"] + 0.05, "eagle"), (after["agreement"] - 0.05, "eagle3")):
+        feature.config.training = {"final_eval": {"agreement": recorded}}
+        feature.save(tmp_path / "adapters" / "feature")
+        dytc = make_drafter("dytc", model, DraftConfig(adapters=str(tmp_path / "adapters")), progress=False)
+        features = {name for name in dytc.options if name.startswith("eagle")}
+        assert features == {chosen, f"{chosen}-chain"}, (recorded, features)
 
 
 @needs(STORIES_HF)

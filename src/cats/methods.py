@@ -93,12 +93,30 @@ def _eagle3_folder(adapters: str) -> Path | None:
     return None
 
 
+def _recorded_agreement(folder: Path) -> float | None:
+    """The held-out agreement a trained head's card records (``training.final_eval``), else None."""
+    try:
+        return float(json.loads((folder / "config.json").read_text())["training"]["final_eval"]["agreement"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _dytc_eagle3_folder(adapters: str | None) -> Path | None:
+    """The EAGLE-3 head dytc drafts with: ``DIR/eagle3/``, unless ``DIR/feature/`` records a higher held-out
+    agreement than the head does (then dytc keeps the feature adapter); None without a head."""
+    eagle3 = _eagle3_folder(adapters) if adapters is not None else None
+    if eagle3 is None:
+        return None
+    head, feature = _recorded_agreement(eagle3), _recorded_agreement(Path(adapters) / "feature")
+    return None if head is not None and feature is not None and feature > head else eagle3
+
+
 def _feature_adapter(adapters: str | None, model: LayeredModel):
-    """The feature drafter's head of an adapters folder: its EAGLE-3 head (``DIR/eagle3/``) when it has one, else
+    """The feature drafter's head of an adapters folder for dytc: its EAGLE-3 head (`_dytc_eagle3_folder`), else
     its feature draft adapter (``DIR/feature/``, or DIR itself when it is one), else None."""
     if adapters is None:
         return None
-    if (eagle3 := _eagle3_folder(adapters)) is not None:
+    if (eagle3 := _dytc_eagle3_folder(adapters)) is not None:
         return load_eagle3_head(eagle3, model)
     try:
         folder = find_adapter(adapters, "feature")
@@ -157,7 +175,7 @@ def _dytc(model, d: DraftConfig, threshold, progress):
     if threshold:
         raise InvalidArgumentError("--threshold does not apply to dytc: the scheduler chooses draft lengths itself")
     bucket = speculation_for(model)[0]  # the default shape, or under a budget the bucket chosen for its I/O cost
-    feature = _feature_adapter(d.adapters, model)  # a feature/ adapter in DIR is used instead of draft/
+    feature = _feature_adapter(d.adapters, model)  # an eagle3/ or feature/ head in DIR is used instead of draft/
     sparsities = d.sparsities(DYTC_SPARSITIES)
     if model.weights is not None:  # layers stream: a layer-skip draft token would read them all again
         if d.sparsity is not None:
@@ -287,9 +305,8 @@ def _eagle_needs(needs, config, itemsize, d):  # drafts from the final features:
     needs.max_tree_tokens = (d.total_tokens or EAGLE_TOKENS) + 1  # a fixed tree size, not left to the budget
 
 
-def _eagle3_head_needs(needs, config, itemsize, d) -> bool:
-    """The resident bytes and cache layer of the EAGLE-3 head in ``d.adapters``; whether there is one."""
-    folder = _eagle3_folder(d.adapters) if d.adapters is not None else None
+def _eagle3_head_needs(needs, config, itemsize, folder: Path | None) -> bool:
+    """The resident bytes and cache layer of the EAGLE-3 head in ``folder``; whether there is one."""
     if folder is None:
         return False
     header = read_header(folder / "model.safetensors")
@@ -301,7 +318,7 @@ def _eagle3_head_needs(needs, config, itemsize, d) -> bool:
 
 
 def _eagle3_needs(needs, config, itemsize, d):  # drafts from three layers' states: no target layer must stay
-    _eagle3_head_needs(needs, config, itemsize, d)
+    _eagle3_head_needs(needs, config, itemsize, _eagle3_folder(d.adapters) if d.adapters is not None else None)
     needs.max_tree_tokens = (d.total_tokens or EAGLE_TOKENS) + 1
 
 
@@ -356,7 +373,8 @@ def _all_layer_needs(needs, config, itemsize, d):  # they draft through every la
 
 
 def _dytc_needs(needs, config, itemsize, d):  # layer skipping only where every layer stays resident (`_dytc`)
-    layers = [] if _eagle3_head_needs(needs, config, itemsize, d) else _adapter_needs(needs, config, itemsize, d)
+    head = _eagle3_head_needs(needs, config, itemsize, _dytc_eagle3_folder(d.adapters))
+    layers = [] if head else _adapter_needs(needs, config, itemsize, d)
     needs.min_resident_layers = _draft_layers(layers, config, d) if layers else 1  # layer 0 times its cost model
     if d.total_tokens is not None:
         needs.max_tree_tokens = d.total_tokens + 1
