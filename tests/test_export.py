@@ -11,6 +11,7 @@ import subprocess
 import time
 import urllib.request
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -22,6 +23,7 @@ from cats.bench.llama_server import find_llama_server, server_environment
 from cats.errors import InvalidArgumentError
 from cats.export import export_head
 from cats.export.gguf_file import interleave_rotary
+from cats.export.llama_graph import gguf_architecture, write_llama_graph
 from cats.model.eagle3 import new_eagle3_head
 from tests.conftest import STORIES_GGUF, needs, tiny_model
 
@@ -190,3 +192,83 @@ def test_llama_server_loads_the_exported_head(target, head_folder, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def neox_rope(x: torch.Tensor, position: int) -> torch.Tensor:
+    """HF's (half-split) rotary on rows [head_dim] of one head."""
+    half = x.shape[0] // 2
+    angle = position / 10000 ** (torch.arange(half, dtype=torch.float64) / half)
+    first, second = x[:half], x[half:]
+    return torch.cat([first * angle.cos() - second * angle.sin(), second * angle.cos() + first * angle.sin()])
+
+
+def norm_rope(x: torch.Tensor, position: int) -> torch.Tensor:
+    """llama.cpp's NORM (interleaved) rotary: pairs (2i, 2i + 1) at the same frequencies."""
+    half = x.shape[0] // 2
+    angle = position / 10000 ** (torch.arange(half, dtype=torch.float64) / half)
+    even, odd = x[0::2], x[1::2]
+    return torch.stack([even * angle.cos() - odd * angle.sin(), odd * angle.cos() + even * angle.sin()], 1).flatten()
+
+
+def test_interleaved_rows_give_the_same_attention_under_the_interleaved_rotary():
+    """A Qwen2 q/k projection with bias, its rows interleaved, under llama.cpp's rotary: every q.k score unchanged."""
+    heads, head_dim, hidden = 2, 8, 6
+    generator = torch.Generator().manual_seed(0)
+    wq, wk = (torch.randn(heads * head_dim, hidden, generator=generator, dtype=torch.float64) for _ in range(2))
+    bq, bk = (torch.randn(heads * head_dim, generator=generator, dtype=torch.float64) for _ in range(2))
+    x, y = torch.randn(hidden, generator=generator, dtype=torch.float64), torch.randn(hidden, generator=generator,
+                                                                                       dtype=torch.float64)
+    iq, ik = interleave_rotary(wq, heads), interleave_rotary(wk, heads)
+    jq, jk = interleave_rotary(bq[:, None], heads)[:, 0], interleave_rotary(bk[:, None], heads)[:, 0]
+    for h in range(heads):
+        rows = slice(h * head_dim, (h + 1) * head_dim)
+        hf = neox_rope((wq @ x + bq)[rows], 3) @ neox_rope((wk @ y + bk)[rows], 1)
+        llama = norm_rope((iq @ x + jq)[rows], 3) @ norm_rope((ik @ y + jk)[rows], 1)
+        assert torch.allclose(hf, llama)
+
+
+def test_qwen2_gguf_is_rewritten_for_the_llama_graph(tmp_path):
+    """Metadata renamed, q/k rows (quantised blocks and biases) interleaved per head, everything else byte-equal."""
+    heads, kv_heads, head_dim, hidden = 2, 1, 32, 64
+    rng = np.random.default_rng(0)
+    source = tmp_path / "qwen2.gguf"
+    writer = gguf.GGUFWriter(source, arch="qwen2")
+    writer.add_uint32("qwen2.attention.head_count", heads)
+    writer.add_uint32("qwen2.attention.head_count_kv", kv_heads)
+    writer.add_float32("qwen2.rope.freq_base", 1e6)
+    writer.add_array("tokenizer.ggml.tokens", ["a", "b"])
+    q = rng.standard_normal((heads * head_dim, hidden)).astype(np.float32)
+    k = rng.standard_normal((kv_heads * head_dim, hidden)).astype(np.float32)
+    floats = {"blk.0.attn_q.bias": rng.standard_normal(heads * head_dim).astype(np.float32),
+              "blk.0.attn_k.bias": rng.standard_normal(kv_heads * head_dim).astype(np.float32),
+              "blk.0.attn_v.weight": rng.standard_normal((kv_heads * head_dim, hidden)).astype(np.float32)}
+    quantised = {"blk.0.attn_q.weight": q, "blk.0.attn_k.weight": k}
+    for name, value in quantised.items():
+        writer.add_tensor(name, gguf.quants.quantize(value, GGMLQuantizationType.Q8_0),
+                          raw_dtype=GGMLQuantizationType.Q8_0)
+    for name, value in floats.items():
+        writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    out = write_llama_graph(source, tmp_path / "llama.gguf")
+    assert gguf_architecture(out) == "llama" and not list(tmp_path.glob(".*tmp*"))
+    reader = GGUFReader(out)
+    assert reader.get_field("llama.attention.head_count").contents() == heads
+    assert reader.get_field("llama.rope.freq_base").contents() == pytest.approx(1e6)
+    assert reader.get_field("tokenizer.ggml.tokens").contents() == ["a", "b"]
+    assert not [name for name in reader.fields if name.startswith("qwen2.")]
+    read = {t.name: t for t in reader.tensors}
+    for name, value, count in (("blk.0.attn_q.weight", q, heads), ("blk.0.attn_k.weight", k, kv_heads)):
+        assert read[name].tensor_type == GGMLQuantizationType.Q8_0
+        expected = interleave_rotary(torch.from_numpy(value), count).numpy()
+        assert np.array_equal(gguf.quants.dequantize(read[name].data, GGMLQuantizationType.Q8_0),
+                              gguf.quants.dequantize(gguf.quants.quantize(expected, GGMLQuantizationType.Q8_0),
+                                                     GGMLQuantizationType.Q8_0))
+    assert np.array_equal(read["blk.0.attn_q.bias"].data, interleave_rotary(torch.from_numpy(
+        floats["blk.0.attn_q.bias"][:, None]), heads).numpy()[:, 0])
+    assert np.array_equal(read["blk.0.attn_v.weight"].data, floats["blk.0.attn_v.weight"])
+    with pytest.raises(InvalidArgumentError, match="only qwen2"):
+        write_llama_graph(out, tmp_path / "again.gguf")

@@ -25,6 +25,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -42,6 +43,7 @@ from cats.bench.methods import (
 from cats.cache_files import staging_path
 from cats.draft.eagle import DEPTH as EAGLE3_DEPTH
 from cats.export import export_head
+from cats.export.llama_graph import REWRITTEN, gguf_architecture, write_llama_graph
 from cats.methods import CONFIDENCE_STOP
 from cats.model.eagle3 import is_eagle3_folder
 from cats.model.layered import eos_token_ids
@@ -71,6 +73,22 @@ def find_llama_server() -> Path | None:
                     return candidate
     found = shutil.which("llama-server")
     return Path(found) if found else None
+
+
+def llama_graph_target(gguf: Path, name: str) -> Path:
+    """``gguf`` itself, or for a Qwen2 file its copy for llama.cpp's Llama graph (`cats.export.llama_graph`; made once,
+    cached by the file's path, size and modification time): llama.cpp's qwen2 graph cannot run EAGLE-3 drafting."""
+    if gguf_architecture(gguf) not in REWRITTEN:
+        return gguf
+    stat = Path(gguf).stat()
+    key = hashlib.sha256(f"{Path(gguf).resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_root() / "exports" / f"{Path(gguf).stem}-llama-graph-{key}.gguf"
+    if not target.is_file():
+        print(f"cats: {name}: writing {Path(gguf).name} for llama.cpp's Llama graph once (its qwen2 graph cannot run "
+              f"EAGLE-3 drafting); cached in {target}", file=sys.stderr, flush=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_llama_graph(gguf, target)
+    return target
 
 
 def exported_head(adapters: str | None, context: BenchContext, name: str) -> Path:
@@ -146,6 +164,8 @@ class LlamaServerMethod(BenchMethod):
         self.port = _free_port()
         context_tokens = min(model.context_length, context.context_tokens or CONTEXT_TOKENS)
         batch = min(BATCH_TOKENS, context.prompt_tokens or BATCH_TOKENS)
+        if name == "llama-server-eagle3":
+            gguf = llama_graph_target(gguf, name)  # a Qwen2 file: its copy in llama.cpp's Llama graph
         command = [str(binary), "-m", str(gguf), "-t", str(settings.threads), "-tb", str(settings.threads),
                    "-c", str(context_tokens), "-b", str(batch), "-ub", str(batch), "-np", "1",
                    "--host", "127.0.0.1", "--port", str(self.port)]
