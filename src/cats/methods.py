@@ -85,8 +85,10 @@ def _draft_adapter(adapters: str | None, model: LayeredModel, early_exit: bool =
     return load_adapter(find_draft_adapter(adapters, early_exit), model, role="draft")
 
 
-def _eagle3_folder(adapters: str) -> Path | None:
+def _eagle3_folder(adapters: str | None) -> Path | None:
     """The EAGLE-3 head of an adapters folder (``DIR/eagle3/``, or DIR itself when it is one), else None."""
+    if adapters is None:
+        return None
     for folder in (Path(adapters) / "eagle3", Path(adapters)):
         if is_eagle3_folder(folder):
             return folder
@@ -104,7 +106,7 @@ def _recorded_agreement(folder: Path) -> float | None:
 def _dytc_eagle3_folder(adapters: str | None) -> Path | None:
     """The EAGLE-3 head dytc drafts with: ``DIR/eagle3/``, unless ``DIR/feature/`` records a higher held-out
     agreement than the head does (then dytc keeps the feature adapter); None without a head."""
-    eagle3 = _eagle3_folder(adapters) if adapters is not None else None
+    eagle3 = _eagle3_folder(adapters)
     if eagle3 is None:
         return None
     head, feature = _recorded_agreement(eagle3), _recorded_agreement(Path(adapters) / "feature")
@@ -214,7 +216,7 @@ def _eagle(model, d: DraftConfig, threshold, progress):
 
 def _eagle3(model, d: DraftConfig, threshold, progress):
     """The EAGLE-3 head of ``adapters`` (``DIR/eagle3/`` or a head folder itself)."""
-    folder = _eagle3_folder(d.adapters) if d.adapters is not None else None
+    folder = _eagle3_folder(d.adapters)
     if folder is None:
         raise InvalidArgumentError("method 'eagle3' needs --adapters DIR holding a trained EAGLE-3 head in DIR/eagle3/ "
                                    "(cats train adapter --arch eagle3)")
@@ -318,7 +320,7 @@ def _eagle3_head_needs(needs, config, itemsize, folder: Path | None) -> bool:
 
 
 def _eagle3_needs(needs, config, itemsize, d):  # drafts from three layers' states: no target layer must stay
-    _eagle3_head_needs(needs, config, itemsize, _eagle3_folder(d.adapters) if d.adapters is not None else None)
+    _eagle3_head_needs(needs, config, itemsize, _eagle3_folder(d.adapters))
     needs.max_tree_tokens = (d.total_tokens or EAGLE_TOKENS) + 1
 
 

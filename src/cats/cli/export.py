@@ -12,6 +12,7 @@ from cats.export.hf_folder import DTYPES
 from cats.export.llama_graph import REWRITTEN, gguf_architecture, write_llama_graph
 from cats.model import load_model
 from cats.model.adapter import find_adapter
+from cats.model.source import gguf_file
 from cats.paths import default_model
 
 
@@ -31,8 +32,8 @@ def add_export_parser(commands) -> None:
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16", help="weights' dtype (default bfloat16)")
     parser.add_argument("--target-out", type=Path, default=None,
                         help="llama.cpp, with a Qwen2 target: also write the target GGUF rewritten for llama.cpp's Llama "
-                             "graph here (its qwen2 graph lacks the layer inputs EAGLE-3 drafting reads; same weights "
-                             "and answers)")
+                             "graph here (its qwen2 graph lacks the layer inputs EAGLE-3 drafting reads; the same "
+                             "quantised blocks, answers equal up to rounding)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.set_defaults(run=run_export_command)
 
@@ -41,8 +42,8 @@ def run_export_command(args: argparse.Namespace) -> int:
     folder = find_adapter(args.adapter, "eagle3")
     named = json.loads((folder / "config.json").read_text()).get("base_model", {}).get("name")
     model_path = args.model or (named if named and Path(named).exists() else default_model())
-    gguf_target = str(model_path).endswith(".gguf") and Path(model_path).is_file()
-    rewrite = gguf_target and args.to == "llama.cpp" and gguf_architecture(model_path) in REWRITTEN
+    target_file = gguf_file(model_path)  # the file, or the one GGUF in a folder
+    rewrite = target_file is not None and args.to == "llama.cpp" and gguf_architecture(target_file) in REWRITTEN
     if args.target_out is not None and not rewrite:
         raise InvalidArgumentError("--target-out applies to --to llama.cpp with a Qwen2 GGUF target "
                                    f"({model_path} is not one; llama.cpp runs it as it is)")
@@ -50,8 +51,8 @@ def run_export_command(args: argparse.Namespace) -> int:
     out = export_head(folder, model, args.to, args.out, args.dtype)
     print(f"wrote {out} ({args.to})")
     if args.target_out is not None:
-        print(f"wrote {write_llama_graph(model_path, args.target_out)} (the target for llama.cpp's Llama graph)")
+        print(f"wrote {write_llama_graph(target_file, args.target_out)} (the target for llama.cpp's Llama graph)")
     elif rewrite:
         print(f"note: llama.cpp's qwen2 graph cannot run EAGLE-3 drafting; add --target-out TARGET.gguf to write "
-              f"{Path(model_path).name} for its Llama graph and serve that file")
+              f"{target_file.name} for its Llama graph and serve that file")
     return 0

@@ -9,8 +9,8 @@ biases and applies the interleaved rotary. So the same model runs there when
 - the rows of ``attn_q`` / ``attn_k`` (weights, whose quantised blocks run along rows, and biases) are reordered per
   head from the half-split to the interleaved order, as llama.cpp's converter does for Llama checkpoints.
 
-Every other tensor's blocks and the tokenizer are copied unchanged, so llama.cpp's greedy answers are the original
-file's (checked in ``docs/serving-at-scale.md``). The copy is for llama.cpp only: CATS reads the original file.
+Every other tensor's blocks and the tokenizer are copied unchanged: the same model up to rounding (llama.cpp's greedy
+answers from the copy and the original part only at near-ties, ``docs/serving-at-scale.md``). The copy is for llama.cpp only: CATS reads the original file.
 `gguf`'s writer does the file format; only the row order is ours.
 """
 

@@ -273,7 +273,7 @@ def convert_gguf(gguf_path: Path) -> Path:
     target = cache_root() / "gguf" / f"{gguf_path.stem}-{_file_digest(gguf_path)[:16]}"
     clean_stale(target.parent, legacy=LEGACY_CONVERSION_STAGING)
     try:
-        record = check_folder(target, SOURCE_RECORD)
+        record = verify_conversion(target)
         if record.get("gguf") != str(gguf_path.resolve()):  # the same bytes, moved or copied since: the quantised
             with contextlib.suppress(OSError):               # blocks (`GGUFBlocks.of_checkpoint`) are read from here
                 write_json(target / SOURCE_RECORD, {**record, "gguf": str(gguf_path.resolve())})
@@ -309,8 +309,8 @@ def convert_gguf(gguf_path: Path) -> Path:
     return target
 
 
-def verify_conversion(folder: Path) -> None:
+def verify_conversion(folder: Path) -> dict:
     """Check a converted folder against ``cats-source.json``: every file it records is there with its size and,
-    when its modification time changed, its CRC-32. Raises FileNotFoundError when nothing was converted there,
-    `cats.cache_files.Damaged` when something does not match."""
-    check_folder(folder, SOURCE_RECORD)
+    when its modification time changed, its CRC-32; return the record. Raises FileNotFoundError when nothing was
+    converted there, `cats.cache_files.Damaged` when something does not match."""
+    return check_folder(folder, SOURCE_RECORD)
