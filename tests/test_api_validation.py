@@ -132,4 +132,4 @@ def test_random_arguments_end_in_a_library_error_or_an_answer(llama, prompt, set
                                kernels=cats.KernelConfig(**kernels), **other)
     except cats.CatsError:
         return
-    assert 1 <= len(result.token_ids) == result.stats.new_tokens <= 3
+    assert 1 <= len(result.token_ids) == result.stats.new_tokens <= generation["max_new_tokens"]

@@ -7,6 +7,11 @@ import subprocess
 
 import pytest
 
+import cats
+import cats.cli.serve as serve_command
+from cats.cli import build_parser, main
+from cats.model.adapter import new_adapter
+from cats.verify.cascade import SV_THRESHOLD
 from tests.conftest import REPO_ROOT, SMOLLM2, STORIES_HF, needs
 
 
@@ -15,18 +20,26 @@ def cats_cli(*args, cwd=REPO_ROOT):
 
 
 @needs(STORIES_HF)
-def test_generate_streams_text_and_prints_json_last():
+def test_generate_streams_text_and_prints_json_last(capsys):
+    """`ar` through the console script; the other methods through `cats.cli.main` in this process (the same code
+    after the interpreter's start, without importing torch once per method)."""
     runs = {}
     for method in ("ar", "pld", "early-exit"):
-        proc = cats_cli("generate", "--model", STORIES_HF, "--prompt", "Once upon a time", "--max-new-tokens", 24,
-                        "--method", method, "--json", "--stats")
-        assert proc.returncode == 0, proc.stderr
-        lines = proc.stdout.rstrip("\n").split("\n")
+        args = ["generate", "--model", str(STORIES_HF), "--prompt", "Once upon a time", "--max-new-tokens", "24",
+                "--method", method, "--json", "--stats"]
+        if method == "ar":
+            proc = cats_cli(*args)
+            code, out, err = proc.returncode, proc.stdout, proc.stderr
+        else:
+            code = main(args)
+            out, err = capsys.readouterr()
+        assert code == 0, err
+        lines = out.rstrip("\n").split("\n")
         data = json.loads(lines[-1])
         assert set(data) == {"text", "token_ids", "prompt_token_ids", "stats"}
         assert "\n".join(lines[:-1]) == data["text"]
         assert len(data["token_ids"]) == data["stats"]["new_tokens"] == 24
-        assert f"[{method}, acceptance: exact, greedy]" in proc.stderr
+        assert f"[{method}, acceptance: exact, greedy]" in err
         runs[method] = data["token_ids"]
     assert runs["ar"] == runs["pld"] == runs["early-exit"]
 
@@ -44,12 +57,15 @@ def test_generate_streams_text_and_prints_json_last():
         (["--pack-weights", "--dtype", "bfloat16", "--memory-budget", "50%"], "memory budget does not plan for"),
     ],
 )
-def test_user_errors_are_one_line(args, message):
-    proc = cats_cli("generate", "--model", STORIES_HF, "--prompt", "hi", *args)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("cats: error: ") and message in lines[0], proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_user_errors_are_one_line(args, message, capsys):
+    """Run in this process (`cats.cli.main`, what the console script calls): a process per case would spend most of
+    its time importing torch; `test_missing_model_is_one_line` runs the console script itself."""
+    code = main(["generate", "--model", str(STORIES_HF), "--prompt", "hi", *args])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cats: error: ") and message in lines[0], captured.err
+    assert "Traceback" not in captured.err
 
 
 def test_missing_model_is_one_line(tmp_path):
@@ -68,30 +84,28 @@ def test_readme_quick_start_on_the_default_model():
 
 
 @needs(STORIES_HF)
-def test_generate_with_adapters(tmp_path):
-    import cats
-    from cats.model.adapter import new_adapter
-
+def test_generate_with_adapters(tmp_path, capsys):
+    """In this process (`cats.cli.main`): the console script itself is run by the tests above."""
     model = cats.load_model(STORIES_HF)
     new_adapter(model, "draft", 2, vocab_subset=list(range(300))).save(tmp_path / "adapters" / "draft")
     outputs = {}
     for method, extra in (("ar", []), ("early-exit", ["--adapters", tmp_path / "adapters", "--threshold", "0.1"])):
-        proc = cats_cli("generate", "--model", STORIES_HF, "--prompt", "Once upon a time", "--max-new-tokens", 20,
-                        "--method", method, "--json", *extra)
-        assert proc.returncode == 0, proc.stderr
-        outputs[method] = json.loads(proc.stdout.splitlines()[-1])["token_ids"]
+        code = main(["generate", "--model", str(STORIES_HF), "--prompt", "Once upon a time", "--max-new-tokens", "20",
+                     "--method", method, "--json", *map(str, extra)])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        outputs[method] = json.loads(out.splitlines()[-1])["token_ids"]
     assert outputs["ar"] == outputs["early-exit"]
-    proc = cats_cli("generate", "--model", STORIES_HF, "--prompt", "hi", "--method", "pld", "--adapters", tmp_path / "adapters")
-    assert proc.returncode == 2 and "apply to early-exit" in proc.stderr
-    proc = cats_cli("generate", "--model", STORIES_HF, "--prompt", "hi", "--method", "early-exit", "--adapters", tmp_path)
-    assert proc.returncode == 2 and "no draft adapter" in proc.stderr
+    code = main(["generate", "--model", str(STORIES_HF), "--prompt", "hi", "--method", "pld", "--adapters",
+                 str(tmp_path / "adapters")])
+    assert code == 2 and "apply to early-exit" in capsys.readouterr().err
+    code = main(["generate", "--model", str(STORIES_HF), "--prompt", "hi", "--method", "early-exit", "--adapters",
+                 str(tmp_path)])
+    assert code == 2 and "no draft adapter" in capsys.readouterr().err
 
 
 def test_flag_defaults_match_the_library_defaults():
     """The CLI keeps literal defaults (it parses without importing torch); they must equal the library's."""
-    from cats.verify.cascade import SV_THRESHOLD
-    from cats.cli import build_parser
-
     parser = build_parser()
     for command in (["generate", "--prompt", "x"], ["bench", "--questions", "q.jsonl", "--out", "o"]):
         args = parser.parse_args(command)
@@ -100,9 +114,6 @@ def test_flag_defaults_match_the_library_defaults():
 
 
 def test_serve_without_the_serve_extra_says_what_to_install(monkeypatch, capsys):
-    import cats.cli.serve as serve_command
-    from cats.cli import main
-
     monkeypatch.setattr(serve_command, "SERVE_MISSING", ["fastapi"])
     assert main(["serve", "--port", "0"]) == 2
     assert "pip install 'cats[serve]'" in capsys.readouterr().err

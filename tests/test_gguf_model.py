@@ -3,8 +3,11 @@ float path on request (``kernels="aten"``) and as the fallback where the kernels
 
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
 import cats
 from cats.config import GenerationConfig
@@ -12,11 +15,12 @@ from cats.draft import PromptLookupDrafter, TreeDrafter
 from cats.errors import InvalidArgumentError
 from cats.loop.generator import Generator
 from cats.model import gguf_model
+from cats.model.gguf_names import shared_name_maps
 from cats.model.kernels import avx512, quantized
 from cats.model.kernels.gguf_modules import GGUFEmbedding, GGUFLinear, GGUFRows
 from cats.model.source import gguf_metadata
 from cats.prompts import encode_prompt
-from tests.conftest import SMOLLM2, STORIES_GGUF, STORIES_HF, needs
+from tests.conftest import SMOLLM2, STORIES_GGUF, STORIES_HF, needs, tiny_config
 
 pytestmark = pytest.mark.skipif(quantized.unavailable() is not None, reason=f"kernels: {quantized.unavailable()}")
 SMOLLM2_FILE = SMOLLM2 / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -136,3 +140,19 @@ def test_a_streamed_layer_dequantises_to_meta_linears_for_an_adapter_to_fill():
     dequantize_linears(holder)
     assert isinstance(holder[0], nn.Linear) and holder[0].weight.is_meta
     assert tuple(holder[0].weight.shape) == (rows, columns) and holder[0].bias is not None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "phi3"])
+def test_shared_name_maps_give_transformers_own_mapping(family):
+    """`shared_name_maps`: the GGUF -> module name mapping equals transformers' own, gguf-py's map is built once per
+    (architecture, blocks) inside the block, and gguf-py's function is back in place after it."""
+    hf_model = AutoModelForCausalLM.from_config(tiny_config(family))
+    processor = TENSOR_PROCESSORS.get(hf_model.config.model_type, TensorProcessor)(config=hf_model.config.to_dict())
+    original = gguf.get_tensor_name_map
+    expected = get_gguf_hf_weights_map(hf_model, processor)
+    with shared_name_maps():
+        assert get_gguf_hf_weights_map(hf_model, processor) == expected
+        arch = next(iter(gguf.MODEL_ARCH_NAMES))
+        assert gguf.get_tensor_name_map(arch, 4) is gguf.get_tensor_name_map(arch, 4)
+    assert gguf.get_tensor_name_map is original
+    assert set(expected.values()) == set(hf_model.state_dict())  # every parameter has its GGUF tensor

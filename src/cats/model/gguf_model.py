@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
 from cats.errors import DamagedFileError
+from cats.model.gguf_names import shared_name_maps
 from cats.model.kernels import quantized
 from cats.model.kernels.gguf_modules import GGUFEmbedding, GGUFLinear, file_rows
 from cats.model.source import TENSOR_INDEX
@@ -158,7 +159,8 @@ def load_gguf_model(gguf_path: Path, metadata: Path, attn_implementation: str = 
     with init_empty_weights(include_buffers=False):  # parameters on the meta device: nothing allocated
         hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
     processor = TENSOR_PROCESSORS.get(index["architecture"], TensorProcessor)(config=config.to_dict())
-    to_gguf = {hf: gguf for gguf, hf in get_gguf_hf_weights_map(hf_model, processor).items()}
+    with shared_name_maps():
+        to_gguf = {hf: gguf for gguf, hf in get_gguf_hf_weights_map(hf_model, processor).items()}
     missing = []
 
     def source(hf_name: str) -> str | None:
