@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 
 import pytest
 import torch
+from transformers import AutoTokenizer, Qwen2Tokenizer
 
 import cats
 import cats.model.source as load_module
 from cats.errors import MissingDependencyError, ModelNotFoundError, UnsupportedArchitectureError
-from tests.conftest import STORIES_GGUF, STORIES_HF, needs
+from cats.model.source import config_folder, load_tokenizer_from
+from cats.model.weights.rss import anonymous_rss_bytes, return_freed_memory
+from tests.conftest import SMOLLM2, STORIES_GGUF, STORIES_HF, needs
 
 
 @needs(STORIES_HF)
@@ -75,3 +79,39 @@ def test_unsupported_architecture_is_rejected_before_loading_weights(tmp_path):
 def test_unknown_dtype():
     with pytest.raises(cats.InvalidArgumentError, match="dtype"):
         load_module.resolve_dtype("int3")
+
+
+@needs(SMOLLM2)
+def test_tokenizer_keeps_no_python_copy_of_its_tables(tmp_path):
+    """transformers' BPE tokenizer classes (here Qwen2's, made from SmolLM2's vocabulary and merges) keep the tables
+    they were built from; CATS empties them (memory a budget would otherwise charge) and the tokenizer's behaviour
+    is unchanged."""
+    smollm2 = AutoTokenizer.from_pretrained(config_folder(SMOLLM2))
+    merges = json.loads(smollm2.backend_tokenizer.to_str())["model"]["merges"]
+    Qwen2Tokenizer(vocab=smollm2.get_vocab(), merges=[tuple(merge) for merge in merges]).save_pretrained(tmp_path)
+    tokenizer = load_tokenizer_from(str(tmp_path), tmp_path)
+    reference = AutoTokenizer.from_pretrained(tmp_path)
+    assert type(tokenizer) is type(reference) is Qwen2Tokenizer
+    assert len(reference._vocab) == 49152 and len(reference._merges) == len(merges)  # what transformers keeps
+    assert tokenizer._vocab == {} and tokenizer._merges == []
+    text = "def f(x):\n    return x ** 2  # squares, naïvely"
+    assert tokenizer(text)["input_ids"] == reference(text)["input_ids"]
+    ids = reference(text)["input_ids"]
+    assert tokenizer.decode(ids) == reference.decode(ids) == text
+    assert tokenizer.get_vocab() == reference.get_vocab()
+
+
+def test_return_freed_memory_trims_the_c_heap():
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks = [libc.malloc(4096) for _ in range(50_000)]  # ~200 MB of small blocks: heap memory, not mappings
+    pin = libc.malloc(4096)  # above them: the heap's top stays in use, so free() alone returns nothing
+    for block in blocks:
+        ctypes.memset(block, 1, 4096)
+    for block in blocks:
+        libc.free(block)
+    held = anonymous_rss_bytes()
+    assert return_freed_memory()
+    assert anonymous_rss_bytes() < held - (100 << 20)
+    libc.free(pin)

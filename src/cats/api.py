@@ -33,7 +33,7 @@ from cats.model.kernels.packing import check_packing
 from cats.model.source import config_folder, load_tokenizer, resolve_dtype
 from cats.model.weights.budget import parse_budget
 from cats.model.weights.offload import offload_model
-from cats.model.weights.rss import anonymous_rss_bytes
+from cats.model.weights.rss import anonymous_rss_bytes, return_freed_memory
 from cats.prompts import check_token_ids, encode_prompt, encode_with
 
 
@@ -73,6 +73,7 @@ def prepare(model: str | os.PathLike | LayeredModel, method: str, drafting: Draf
     needs = memory_needs(config, torch_dtype, method, drafting, context_tokens=context_tokens,
                          prefetch=memory.prefetch, prompt_tokens=prompt_tokens)
     if memory.process:  # the budget is the process's: what it holds before any weight is read is planned for too
+        return_freed_memory()  # what loading the tokenizer freed is not held against the weights
         needs.runtime_bytes = anonymous_rss_bytes() or 0  # its file pages are the kernel's to reclaim (see rss.py)
     if not isinstance(model, LayeredModel):
         return load_model(model, dtype=torch_dtype, memory_budget=memory.budget, memory_needs=needs,

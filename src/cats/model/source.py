@@ -33,6 +33,7 @@ from cats.errors import (
     ModelNotFoundError,
 )
 from cats.model.files import check_gguf, check_model_folder
+from cats.model.gguf_names import shared_name_maps
 from cats.model.layered import check_supported
 from cats.paths import cache_root
 
@@ -73,11 +74,27 @@ def config_folder(model: str | os.PathLike) -> str:
 def load_tokenizer_from(folder: str, model):
     """The tokenizer in ``folder`` (None, with a warning, when there is none transformers can read)."""
     try:
-        return AutoTokenizer.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as error:  # missing files (OSError), damaged tokenizer.json (various), unknown classes
         warnings.warn(f"model {str(model)!r} has no tokenizer CATS can read ({type(error).__name__}: "
                       f"{first_line(error)}); text prompts need one, token ids work without")
         return None
+    drop_build_tables(tokenizer)
+    return tokenizer
+
+
+BUILD_TABLES = ("_vocab", "_merges")  # what transformers' BPE tokenizer classes build their backend from
+
+
+def drop_build_tables(tokenizer) -> None:
+    """Empty the Python copies of the vocabulary and merges that transformers 5's tokenizer classes (GPT-2, Llama,
+    Qwen2, Gemma, ...) build their Rust backend from and then keep, read by nothing after ``__init__``: for Qwen2's
+    151,936 tokens they hold ~60 MB, which a process under a memory budget would otherwise take from the weights.
+    The backend keeps its own tables; encoding, decoding, chat templates and ``get_vocab`` read those."""
+    for name in BUILD_TABLES:
+        table = getattr(tokenizer, name, None)
+        if isinstance(table, (dict, list)) and getattr(tokenizer, "_tokenizer", None) is not None:
+            setattr(tokenizer, name, type(table)())
 
 
 def first_line(error: Exception) -> str:
@@ -291,7 +308,7 @@ def convert_gguf(gguf_path: Path) -> Path:
     try:
         with staging_folder(target) as staging:
             folder, name = str(gguf_path.parent), gguf_path.name
-            with gguf_parsed_once():
+            with gguf_parsed_once(), shared_name_maps():
                 config = AutoConfig.from_pretrained(folder, gguf_file=name)
                 check_supported(config)
                 _drop_out_of_vocabulary_token_ids(config, name)

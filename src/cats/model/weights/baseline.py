@@ -7,17 +7,16 @@ from __future__ import annotations
 import json
 import sys
 
+import torch
+import transformers  # noqa: F401  (imported as every run imports it: part of the baseline)
+from transformers import AutoConfig
+
 from cats.model.source import config_folder, load_tokenizer
 from cats.model.weights.offload import build_skeleton
-from cats.model.weights.rss import MIB, anonymous_rss_bytes, current_rss_bytes, peak_rss_bytes
+from cats.model.weights.rss import MIB, anonymous_rss_bytes, current_rss_bytes, peak_rss_bytes, return_freed_memory
 
 
 def measure_baseline(model: str, threads: int | None = None) -> dict:
-    import torch
-    import transformers  # noqa: F401
-    from transformers import AutoConfig
-
-
     folder = config_folder(model)  # a GGUF file's metadata folder: no weights converted
     load_tokenizer(model)
     build_skeleton(AutoConfig.from_pretrained(folder), torch.float32)
@@ -26,6 +25,7 @@ def measure_baseline(model: str, threads: int | None = None) -> dict:
     x = torch.randn(1, 4, 64, 64)
     torch.nn.functional.linear(x, torch.randn(64, 64))
     torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=torch.zeros(64, 64))
+    return_freed_memory()  # as `cats.api.prepare` does before it measures the runtime
     return {"peak_rss_mb": round(peak_rss_bytes() / MIB, 1), "rss_mb": round(current_rss_bytes() / MIB, 1),
             "anonymous_mb": round(anonymous_rss_bytes() / MIB, 1)}
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import json
 import mmap
 import os
@@ -129,6 +130,20 @@ def page_cache_bytes(paths) -> int:
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def return_freed_memory() -> bool:
+    """Collect Python's garbage and hand the C heap's free pages back to the kernel (glibc's ``malloc_trim``), so
+    that memory freed while loading (a tokenizer's JSON, say) is not charged to the process; False where the C
+    library is not glibc (nothing is returned)."""
+    gc.collect()
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
 
 
 def bound_heap(threshold: int = 1 << 20) -> bool:
