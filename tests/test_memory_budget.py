@@ -145,3 +145,15 @@ def test_a_process_budget_plans_for_the_measured_runtime_too():
     assert plan.rows()[0] == ("runtime (measured before loading weights)", 100 * KIB)
     with pytest.raises(BudgetTooSmallError, match=r"minimum of 156.0 KiB.*runtime \(measured"):
         plan_memory(155 * KIB, parts, needs, kv_bytes=4 * KIB, activation=8 * KIB)
+
+
+def test_a_process_budget_keeps_room_for_the_library_pages_every_step_reads():
+    """The libraries' hot file pages are planned as their own row, counted in the minimum like the runtime."""
+    parts = PartSizes(embed=16 * KIB, norm=0, lm_head=0, layers=[8 * KIB] * 6)
+    needs = MemoryNeeds(context_tokens=10, min_resident_layers=1, adapter_bytes=4 * KIB, prefetch=1,
+                        runtime_bytes=100 * KIB, library_pages_bytes=20 * KIB)
+    plan = plan_memory(176 * KIB, parts, needs, kv_bytes=4 * KIB, activation=8 * KIB)
+    assert plan.planned_bytes == hand_case(56 * KIB).planned_bytes + 120 * KIB
+    assert plan.rows()[1] == ("library pages read every step (page cache)", 20 * KIB)
+    with pytest.raises(BudgetTooSmallError, match=r"minimum of 176.0 KiB.*library pages read every step"):
+        plan_memory(175 * KIB, parts, needs, kv_bytes=4 * KIB, activation=8 * KIB)

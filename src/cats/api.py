@@ -31,7 +31,7 @@ from cats.model import LayeredModel, load_model
 from cats.model.gguf_offload import stream_gguf_layers
 from cats.model.kernels.packing import check_packing
 from cats.model.source import config_folder, load_tokenizer, resolve_dtype
-from cats.model.weights.budget import parse_budget
+from cats.model.weights.budget import LIBRARY_PAGES, parse_budget
 from cats.model.weights.offload import offload_model
 from cats.model.weights.rss import anonymous_rss_bytes, return_freed_memory
 from cats.prompts import check_token_ids, encode_prompt, encode_with
@@ -75,6 +75,7 @@ def prepare(model: str | os.PathLike | LayeredModel, method: str, drafting: Draf
     if memory.process:  # the budget is the process's: what it holds before any weight is read is planned for too
         return_freed_memory()  # what loading the tokenizer freed is not held against the weights
         needs.runtime_bytes = anonymous_rss_bytes() or 0  # its file pages are the kernel's to reclaim (see rss.py)
+        needs.library_pages_bytes = LIBRARY_PAGES  # but not those every step reads
     if not isinstance(model, LayeredModel):
         return load_model(model, dtype=torch_dtype, memory_budget=memory.budget, memory_needs=needs,
                           offload_io=memory.offload_io, layer_store=memory.layer_store, tokenizer=tokenizer,

@@ -34,6 +34,13 @@ UNITS = {
 _BUDGET = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*|%)\s*$")
 DEFAULT_CONTEXT_TOKENS = 2048
 DEFAULT_PREFETCH = 2
+# Under a process budget the kernel also charges the page cache of the libraries' files (torch, CATS's kernels,
+# Python): the pages a decode step runs or reads must stay cached, or every step faults them back in from disk. The
+# runtime measurement leaves file pages out (most were touched once, at import), so the plan keeps this much for
+# them. Measured on Qwen2.5-Coder-1.5B under a cgroup limit (`cats bench --memory-limit`, 4 x 32 tokens): a plan
+# that left 1-4 MiB of the limit unplanned took 660-3,600 major faults, one that left 13 MiB up to 880, and 23-26
+# MiB 160-180 (most of them while loading).
+LIBRARY_PAGES = 32 << 20
 STORE_ALIGNMENT = 4096  # layer files and stream buffers are aligned to this (O_DIRECT needs it)
 
 
@@ -165,6 +172,8 @@ class MemoryNeeds:
     prefetch: int = DEFAULT_PREFETCH  # streamed layers read ahead of the one computing
     runtime_bytes: int = 0  # the process's memory before any weight is read (interpreter, libraries, tokenizer), as
     # measured when the budget is the whole process's (`cats.config.MemoryConfig.process`); 0: the budget is the model's
+    library_pages_bytes: int = 0  # with runtime_bytes: page cache kept for the libraries' pages every step reads
+    # (code, tables), which the kernel charges to the process (`LIBRARY_PAGES`)
 
     def validate(self, num_layers: int) -> None:
         if self.context_tokens < 1:
@@ -258,7 +267,8 @@ class MemoryPlan:
 
     @property
     def planned_bytes(self) -> int:
-        return (self.needs.runtime_bytes + self.parts.always_resident + self.needs.adapter_bytes + self.kv_bytes
+        return (self.needs.runtime_bytes + self.needs.library_pages_bytes + self.parts.always_resident
+                + self.needs.adapter_bytes + self.kv_bytes
                 + self.activation_bytes
                 + self.resident_layer_bytes + self.pool_bytes)
 
@@ -276,6 +286,8 @@ class MemoryPlan:
         head = ("embeddings + lm_head (tied)" if parts.lm_head == 0 else
                 "embeddings (rows read; table mapped)" if parts.embed_rows else "embeddings")
         rows = [("runtime (measured before loading weights)", self.needs.runtime_bytes)] if self.needs.runtime_bytes else []
+        if self.needs.library_pages_bytes:
+            rows.append(("library pages read every step (page cache)", self.needs.library_pages_bytes))
         rows.append((head, parts.embed))
         if parts.lm_head:
             rows.append(("lm_head", parts.lm_head))
