@@ -11,6 +11,8 @@ from cats.model.weights.budget import (BudgetTooSmallError, MemoryNeeds, PartSiz
 from cats.draft.sizing import BUCKETS, choose_bucket
 from tests.conftest import tiny_model
 from cats.config import DraftConfig
+from cats.methods import memory_needs
+from cats.model.weights.offload import plan_for
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -120,12 +122,8 @@ def test_choose_bucket_from_io_and_compute():
 
 
 def test_the_budget_caps_the_tree_it_reserves():
-    from cats.methods import memory_needs
-    from cats.model.weights.offload import plan_for
-    from cats.draft.sizing import BUCKETS
-
     model = tiny_model("llama")
-    auto = lambda: memory_needs(model.config, torch.float64, "tree", context_tokens=32)  # noqa: E731
+    auto = lambda: memory_needs(model.config, torch.float64, "tree", context_tokens=32, prefetch=2)  # noqa: E731
     roomy = plan_for(model.hf_model, 1 << 40, auto())
     assert roomy.needs.max_tree_tokens == BUCKETS[-1].total_tokens + 1
     smallest = memory_needs(model.config, torch.float64, "tree", DraftConfig(total_tokens=BUCKETS[0].total_tokens), context_tokens=32)
@@ -154,6 +152,25 @@ def test_a_process_budget_keeps_room_for_the_library_pages_every_step_reads():
                         runtime_bytes=100 * KIB, library_pages_bytes=20 * KIB)
     plan = plan_memory(176 * KIB, parts, needs, kv_bytes=4 * KIB, activation=8 * KIB)
     assert plan.planned_bytes == hand_case(56 * KIB).planned_bytes + 120 * KIB
-    assert plan.rows()[1] == ("library pages read every step (page cache)", 20 * KIB)
-    with pytest.raises(BudgetTooSmallError, match=r"minimum of 176.0 KiB.*library pages read every step"):
+    assert plan.rows()[1] == ("library pages read each step", 20 * KIB)
+    with pytest.raises(BudgetTooSmallError, match=r"minimum of 176.0 KiB.*library pages read each step"):
         plan_memory(175 * KIB, parts, needs, kv_bytes=4 * KIB, activation=8 * KIB)
+
+
+def test_a_tight_budget_reads_fewer_layers_ahead_unless_told_how_many():
+    """The default read-ahead (2) gives way to 1 where a third stream buffer does not fit; a prefetch the caller
+    set is kept, and the budget is then too small."""
+    model = tiny_model("llama")
+    auto = lambda prefetch=None: memory_needs(model.config, torch.float64, "ar", context_tokens=32,  # noqa: E731
+                                              prefetch=prefetch)
+    roomy = plan_for(model.hf_model, 1 << 40, auto())
+    assert roomy.needs.prefetch == 2 and not roomy.needs.prefetch_fixed
+    minimum_two = roomy.minimum
+    minimum_one = plan_for(model.hf_model, 1 << 40, auto(1)).minimum
+    assert minimum_one < minimum_two
+    tight = plan_for(model.hf_model, minimum_one, auto())
+    assert tight.needs.prefetch == 1 and tight.pool_slots == 2 and tight.resident_layers == 0
+    with pytest.raises(BudgetTooSmallError, match="minimum of"):
+        plan_for(model.hf_model, minimum_one, auto(2))
+    with pytest.raises(BudgetTooSmallError, match="minimum of"):
+        plan_for(model.hf_model, minimum_one - 1, auto())

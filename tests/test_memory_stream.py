@@ -223,7 +223,7 @@ def test_cli_prints_the_plan_and_streaming_stats(capsys, monkeypatch):
             "--method", "early-exit", "--draft-layer", "1", "-k", "2", "--json", "--stats"]
     assert main(args) == 0
     plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert main(args + ["--memory-budget", "95%+300MiB", "--prefetch", "1", "--offload-io", "buffered"]) == 0
+    assert main(args + ["--memory-budget", "95%+332MiB", "--prefetch", "1", "--offload-io", "buffered"]) == 0
     captured = capsys.readouterr()
     budgeted = json.loads(captured.out.strip().splitlines()[-1])
     assert budgeted["token_ids"] == plain["token_ids"]
@@ -231,6 +231,7 @@ def test_cli_prints_the_plan_and_streaming_stats(capsys, monkeypatch):
     assert 1 <= first < last == 5  # draft layer resident, deeper ones streamed
     assert "memory plan: budget" in captured.err and f"streamed layers [{first}, 5)" in captured.err
     assert "runtime (measured before loading weights)    300.0 MiB" in captured.err
+    assert "library pages read each step                 32.0 MiB" in captured.err
     assert f"offload: layers [{first}, 5) streamed (buffered)" in captured.err and "peak RSS" in captured.err
     assert budgeted["stats"]["offload"]["acquires"] == (5 - first) * budgeted["stats"]["target_forwards"]
     assert main(args + ["--memory-budget", "1%+300MiB"]) == 2

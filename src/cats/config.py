@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 from cats.errors import InvalidArgumentError
 from cats.model.source import resolve_dtype
-from cats.model.weights.budget import DEFAULT_PREFETCH
 from cats.model.weights.stream import IO_MODES
 from cats.sampling import check_sampling
 from cats.verify.acceptance import check_acceptance, make_acceptance
@@ -123,17 +122,19 @@ class DraftConfig:
 class MemoryConfig:
     """Running under a memory budget: ``budget`` in bytes, ``"300MiB"``, ``"50%"`` of the model's bytes in the
     format it runs in, or a sum (``"50%+384MiB"``) (None: no budget); ``offload_io`` ``direct`` (O_DIRECT) or
-    ``buffered``; ``prefetch`` streamed layers read ahead; ``layer_store``: where the layer store lives (default
+    ``buffered``; ``prefetch`` streamed layers read ahead (None: 2, or fewer where the budget cannot hold their
+    buffers otherwise); ``layer_store``: where the layer store lives (default
     ``$CATS_CACHE/layers``). ``process``: the budget is the whole process's memory, as the kernel charges it (the
     command line's ``--memory-budget``): what the process holds before any weight is read (its anonymous memory when
-    the model is planned: interpreter, libraries' data, tokenizer) is measured and planned for too; the libraries'
-    file pages are left to the kernel, which drops the cold ones under a limit. False (the library's
+    the model is planned: interpreter, libraries' data, tokenizer) is measured and planned for too, with 32 MiB of
+    page cache for the library pages every step reads (`cats.model.weights.budget.LIBRARY_PAGES`); the other file
+    pages are left to the kernel, which drops the cold ones under a limit. False (the library's
     default, where the process may hold other things): the budget is the model's own memory, weights, KV cache,
     activations and buffers."""
 
     budget: str | int | None = None
     offload_io: str = "direct"
-    prefetch: int = DEFAULT_PREFETCH
+    prefetch: int | None = None
     layer_store: str | None = None
     process: bool = False
 
@@ -143,7 +144,7 @@ class MemoryConfig:
                                        f"a percentage such as '50%', got {self.budget!r}")
         if self.offload_io not in IO_MODES:
             raise InvalidArgumentError(f"offload_io must be one of {', '.join(IO_MODES)}, got {self.offload_io!r}")
-        if not (_is_int(self.prefetch) and self.prefetch >= 0):
+        if self.prefetch is not None and not (_is_int(self.prefetch) and self.prefetch >= 0):
             raise InvalidArgumentError(f"prefetch must be an integer >= 0, got {self.prefetch!r}")
         if self.layer_store is not None:
             self.layer_store = _path_text(self.layer_store, "layer_store")

@@ -480,17 +480,19 @@ def make_scorer(name: str, model: LayeredModel, drafter, drafting: DraftConfig |
 
 
 def memory_needs(config, dtype: torch.dtype, name: str = "ar", drafting: DraftConfig | None = None,
-                 context_tokens: int | None = None, prefetch: int = DEFAULT_PREFETCH,
+                 context_tokens: int | None = None, prefetch: int | None = None,
                  prompt_tokens: int | None = None) -> MemoryNeeds:
     """What method ``name`` needs resident besides the weights: the layers every draft step runs (``[0, L_d)``; all
     of them for layer-skip and dytc), its adapters, and the largest pass it verifies (the largest speculation bucket
     when the tree size is left to the budget). The cascade's shallow layers ``[L_d, L_sv)`` run once per pass: they
-    stay resident when the budget allows (as many layers as fit always do) and stream otherwise."""
+    stay resident when the budget allows (as many layers as fit always do) and stream otherwise. ``prefetch``: layers
+    read ahead; None: `DEFAULT_PREFETCH`, or fewer where the budget cannot hold their buffers otherwise."""
     entry, d = method(name), drafting or DraftConfig()
     d.validate()
     itemsize = torch.empty(0, dtype=dtype).element_size()
     context = int(getattr(config, "max_position_embeddings", 0) or DEFAULT_CONTEXT_TOKENS)
-    needs = MemoryNeeds(context_tokens=context_tokens or min(DEFAULT_CONTEXT_TOKENS, context), prefetch=prefetch,
+    needs = MemoryNeeds(context_tokens=context_tokens or min(DEFAULT_CONTEXT_TOKENS, context),
+                        prefetch=DEFAULT_PREFETCH if prefetch is None else prefetch, prefetch_fixed=prefetch is not None,
                         prompt_tokens=prompt_tokens)
     entry.needs(needs, config, itemsize, d)
     return needs

@@ -112,7 +112,7 @@ class BenchConfig:
     memory_budget: str | None = None  # e.g. "50%", "300MiB": every method runs under it, each in its own process
     memory_limit: str | None = None  # e.g. "50%+384MiB": each method's process in a memory cgroup with this limit;
     # CATS's methods plan for it as their process budget (unless memory_budget says otherwise)
-    prefetch: int = 2  # with memory_budget: streamed layers read ahead
+    prefetch: int | None = None  # with memory_budget: streamed layers read ahead (None: `cats.config.MemoryConfig`'s)
     offload_io: str = "direct"  # with memory_budget: "direct" or "buffered"
     pack_weights: bool = False  # bf16: CATS's methods run on prepacked linears (transformers baselines do not)
     kernels: str = "auto"  # "auto": a GGUF runs on its own blocks; "aten": dequantised to float weights of dtype

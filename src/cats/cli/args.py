@@ -9,7 +9,6 @@ from cats.api import generator_for
 from cats.config import KERNEL_CHOICES, DraftConfig, MemoryConfig
 from cats.errors import InvalidArgumentError
 from cats.methods import check_method, help_text
-from cats.model.weights.budget import DEFAULT_PREFETCH
 from cats.paths import HUB_DEFAULT
 
 
@@ -66,7 +65,8 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
                         "stream: a .gguf on its blocks from the file itself, float weights from a per-layer store in "
                         "$CATS_CACHE/layers (see docs/memory.md)")
     parser.add_argument("--prefetch", type=integer, default=None,
-                        help="with --memory-budget: streamed layers read ahead of the one computing (default 2)")
+                        help="with --memory-budget: streamed layers read ahead of the one computing (default 2, or 1 where the "
+                        "budget cannot hold a third buffer)")
     parser.add_argument("--offload-io", choices=("direct", "buffered"), default=None,
                         help="with --memory-budget: O_DIRECT reads (default) or buffered reads dropped from the page "
                         "cache after each layer")
@@ -130,7 +130,7 @@ def build_generator(args, model):
 def memory_from_args(args) -> MemoryConfig:
     """The `MemoryConfig` of the memory arguments (``--memory-budget``, ``--prefetch``, ``--offload-io``)."""
     return MemoryConfig(budget=args.memory_budget, offload_io=args.offload_io or "direct",
-                        prefetch=DEFAULT_PREFETCH if args.prefetch is None else args.prefetch, process=True)
+                        prefetch=args.prefetch, process=True)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

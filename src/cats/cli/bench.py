@@ -111,7 +111,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         progress=not args.no_progress, memory_budget=args.memory_budget, pack_weights=args.pack_weights,
         memory_limit=limits[0] if len(limits) == 1 else None,
         kernels=args.kernels,
-        prefetch=2 if args.prefetch is None else args.prefetch, offload_io=args.offload_io or "direct",
+        prefetch=args.prefetch, offload_io=args.offload_io or "direct",
     )
     config.validate()  # before the model loads
     if len(limits) > 1:

@@ -170,6 +170,7 @@ class MemoryNeeds:
     # then reserves the largest speculation bucket that fits (max_tree_tokens), and the drafter picks among those
     pass_sizes: tuple[int, ...] = ()  # with speculation: the tokens of one pass of each bucket, the plan's candidates
     prefetch: int = DEFAULT_PREFETCH  # streamed layers read ahead of the one computing
+    prefetch_fixed: bool = True  # False: the plan may read fewer ahead (down to 1) where the buffers would not fit
     runtime_bytes: int = 0  # the process's memory before any weight is read (interpreter, libraries, tokenizer), as
     # measured when the budget is the whole process's (`cats.config.MemoryConfig.process`); 0: the budget is the model's
     library_pages_bytes: int = 0  # with runtime_bytes: page cache kept for the libraries' pages every step reads
@@ -287,7 +288,7 @@ class MemoryPlan:
                 "embeddings (rows read; table mapped)" if parts.embed_rows else "embeddings")
         rows = [("runtime (measured before loading weights)", self.needs.runtime_bytes)] if self.needs.runtime_bytes else []
         if self.needs.library_pages_bytes:
-            rows.append(("library pages read every step (page cache)", self.needs.library_pages_bytes))
+            rows.append(("library pages read each step", self.needs.library_pages_bytes))
         rows.append((head, parts.embed))
         if parts.lm_head:
             rows.append(("lm_head", parts.lm_head))

@@ -53,18 +53,20 @@ def plan_for(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: lis
     ``stored_layers``: each decoder layer's bytes in the layer store, where it holds quantised blocks.
 
     When the draft size is left to the budget (``needs.pass_sizes``), the largest speculation bucket whose
-    activations still fit is reserved (``needs.max_tree_tokens`` is set to it); the error for a budget too small
-    names the minimum with the smallest bucket."""
-    if not needs.pass_sizes:
-        return _plan(hf_model, budget, needs, stored_layers)
-
+    activations still fit is reserved (``needs.max_tree_tokens`` is set to it). When the read-ahead is left to it
+    too (``needs.prefetch_fixed`` False) and no bucket fits with it, fewer layers are read ahead, down to one
+    (``needs.prefetch`` is set to what fits): a budget that cannot hold a third stream buffer runs with two instead
+    of refusing. The error for a budget too small names the minimum with the least of both."""
+    sizes = sorted(needs.pass_sizes, reverse=True) or [needs.max_tree_tokens]
+    depths = [needs.prefetch] if needs.prefetch_fixed else list(range(needs.prefetch, 0, -1)) or [needs.prefetch]
     error = None
-    for tokens in sorted(needs.pass_sizes, reverse=True):
-        needs.max_tree_tokens = tokens
-        try:
-            return _plan(hf_model, budget, needs, stored_layers)
-        except BudgetTooSmallError as too_small:
-            error = too_small
+    for prefetch in depths:
+        for tokens in sizes:
+            needs.max_tree_tokens, needs.prefetch = tokens, prefetch
+            try:
+                return _plan(hf_model, budget, needs, stored_layers)
+            except BudgetTooSmallError as too_small:
+                error = too_small
     raise error
 
 
