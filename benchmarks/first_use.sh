@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # First use of every method on the default model, from an empty cache: the wall time of
 # `cats generate --max-new-tokens 1` (load, any conversion, calibration or kernel build, prefill, first token).
-# The first run (ar) also converts the GGUF file; the others find the conversion cached, as a user's second
-# command would. Prints one "method seconds" line each and writes them to OUT (default bench-out/first-use.txt).
+# The first run (ar) also reads the GGUF file's metadata and compiles the kernels; the others find both cached, as
+# a user's second command would. Prints one "method seconds" line each and writes them to OUT (default bench-out/first-use.txt).
 #
 # Usage: benchmarks/first_use.sh [OUT] ; METHODS (default: every method), ADAPTERS (for the adapter methods).
 set -euo pipefail

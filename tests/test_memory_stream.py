@@ -144,8 +144,9 @@ def test_reader_follows_the_access_order_and_counters_add_up(io, monkeypatch):
     assert counters.stall_s <= result.stats.wall_s and counters.stalls <= counters.acquires
     stats = result.stats.offload
     assert stats["io"] == io and 0 <= stats["hidden_fraction"] <= 1
-    # every read was dropped from the page cache (direct: never in it): the streamed files are not kept there
-    assert page_cache_bytes(model.weights.store_files()) == 0
+    # every read was dropped from the page cache (direct: never in it): the streamed files are not kept there. A
+    # few pages may linger a moment (3 pages of one file in 1 of 4 full-suite runs); one kept layer is ~60 pages
+    assert page_cache_bytes(model.weights.store_files()) < layer_bytes // 4
 
 
 def test_out_of_order_use_is_still_correct():
