@@ -17,6 +17,7 @@ Whoever finds a `Damaged` file removes it (`discard`), prints a one-line `notice
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -162,6 +163,14 @@ def discard(target: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------- records
+def file_key(path: Path) -> str:
+    """16 hex digits naming a file as it is now (its resolved path, size and modification time), for what is
+    derived from it and cached: a changed or moved file gets a new key, and nothing of it is read."""
+    resolved = Path(path).resolve()
+    status = resolved.stat()
+    return hashlib.sha256(f"{resolved}\0{status.st_size}\0{status.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
 def checksum(path: Path) -> str:
     """CRC-32 of a file's bytes, read in 4 MiB blocks, as 8 hex digits; the blocks read are dropped from the page
     cache (a check must not fill memory with a file that is streamed to keep memory free)."""

@@ -40,7 +40,7 @@ from cats.model.adapter import (
     load_adapter,
     read_adapter_config,
 )
-from cats.model.eagle3 import is_eagle3_folder, load_eagle3_head
+from cats.model.eagle3 import find_eagle3_folder, load_eagle3_head
 from cats.model.weights.budget import (
     DEFAULT_CONTEXT_TOKENS,
     DEFAULT_PREFETCH,
@@ -85,16 +85,6 @@ def _draft_adapter(adapters: str | None, model: LayeredModel, early_exit: bool =
     return load_adapter(find_draft_adapter(adapters, early_exit), model, role="draft")
 
 
-def _eagle3_folder(adapters: str | None) -> Path | None:
-    """The EAGLE-3 head of an adapters folder (``DIR/eagle3/``, or DIR itself when it is one), else None."""
-    if adapters is None:
-        return None
-    for folder in (Path(adapters) / "eagle3", Path(adapters)):
-        if is_eagle3_folder(folder):
-            return folder
-    return None
-
-
 def _recorded_agreement(folder: Path) -> float | None:
     """The held-out agreement a trained head's card records (``training.final_eval``), else None."""
     try:
@@ -106,7 +96,7 @@ def _recorded_agreement(folder: Path) -> float | None:
 def _dytc_eagle3_folder(adapters: str | None) -> Path | None:
     """The EAGLE-3 head dytc drafts with: ``DIR/eagle3/``, unless ``DIR/feature/`` records a higher held-out
     agreement than the head does (then dytc keeps the feature adapter); None without a head."""
-    eagle3 = _eagle3_folder(adapters)
+    eagle3 = find_eagle3_folder(adapters)
     if eagle3 is None:
         return None
     head, feature = _recorded_agreement(eagle3), _recorded_agreement(Path(adapters) / "feature")
@@ -216,7 +206,7 @@ def _eagle(model, d: DraftConfig, threshold, progress):
 
 def _eagle3(model, d: DraftConfig, threshold, progress):
     """The EAGLE-3 head of ``adapters`` (``DIR/eagle3/`` or a head folder itself)."""
-    folder = _eagle3_folder(d.adapters)
+    folder = find_eagle3_folder(d.adapters)
     if folder is None:
         raise InvalidArgumentError("method 'eagle3' needs --adapters DIR holding a trained EAGLE-3 head in DIR/eagle3/ "
                                    "(cats train adapter --arch eagle3)")
@@ -320,7 +310,7 @@ def _eagle3_head_needs(needs, config, itemsize, folder: Path | None) -> bool:
 
 
 def _eagle3_needs(needs, config, itemsize, d):  # drafts from three layers' states: no target layer must stay
-    _eagle3_head_needs(needs, config, itemsize, _eagle3_folder(d.adapters))
+    _eagle3_head_needs(needs, config, itemsize, find_eagle3_folder(d.adapters))
     needs.max_tree_tokens = (d.total_tokens or EAGLE_TOKENS) + 1
 
 

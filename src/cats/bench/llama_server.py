@@ -40,12 +40,12 @@ from cats.bench.methods import (
     TurnResult,
     find_gguf,
 )
-from cats.cache_files import staging_path
+from cats.cache_files import file_key, staging_path
 from cats.draft.eagle import DEPTH as EAGLE3_DEPTH
 from cats.export import export_head
 from cats.export.llama_graph import REWRITTEN, gguf_architecture, write_llama_graph
 from cats.methods import CONFIDENCE_STOP
-from cats.model.eagle3 import is_eagle3_folder
+from cats.model.eagle3 import find_eagle3_folder
 from cats.model.layered import eos_token_ids
 from cats.paths import cache_root
 from cats.model.source import config_folder, load_tokenizer
@@ -80,9 +80,7 @@ def llama_graph_target(gguf: Path, name: str) -> Path:
     cached by the file's path, size and modification time): llama.cpp's qwen2 graph cannot run EAGLE-3 drafting."""
     if gguf_architecture(gguf) not in REWRITTEN:
         return gguf
-    stat = Path(gguf).stat()
-    key = hashlib.sha256(f"{Path(gguf).resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_root() / "exports" / f"{Path(gguf).stem}-llama-graph-{key}.gguf"
+    target = cache_root() / "exports" / f"{Path(gguf).stem}-llama-graph-{file_key(Path(gguf))}.gguf"
     if not target.is_file():
         print(f"cats: {name}: writing {Path(gguf).name} for llama.cpp's Llama graph once (its qwen2 graph cannot run "
               f"EAGLE-3 drafting); cached in {target}", file=sys.stderr, flush=True)
@@ -93,8 +91,7 @@ def llama_graph_target(gguf: Path, name: str) -> Path:
 
 def exported_head(adapters: str | None, context: BenchContext, name: str) -> Path:
     """The GGUF export of the EAGLE-3 head in ``adapters``, made once per head (cached by its files' contents)."""
-    folder = next((f for f in (Path(adapters) / "eagle3", Path(adapters)) if is_eagle3_folder(f)), None) \
-        if adapters else None
+    folder = find_eagle3_folder(adapters or None)
     if folder is None:
         raise MethodUnavailableError(f"{name} needs --adapters DIR holding an EAGLE-3 head in DIR/eagle3/ "
                                      "(cats train adapter --arch eagle3)")

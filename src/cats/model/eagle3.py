@@ -343,3 +343,10 @@ def is_eagle3_folder(folder: str | Path) -> bool:
         return json.loads((Path(folder) / "config.json").read_text()).get("format") == FORMAT
     except (OSError, ValueError, AttributeError):
         return False
+
+
+def find_eagle3_folder(adapters: str | Path | None) -> Path | None:
+    """The EAGLE-3 head of an adapters folder (``DIR/eagle3/``, or DIR itself when it is one), else None."""
+    if adapters is None:
+        return None
+    return next((folder for folder in (Path(adapters) / "eagle3", Path(adapters)) if is_eagle3_folder(folder)), None)

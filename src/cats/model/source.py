@@ -23,8 +23,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from cats.cache_files import (Damaged, check_folder, clean_stale, discard, notice, staging_folder, write_json,
-                              write_record)
+from cats.cache_files import (Damaged, check_folder, clean_stale, discard, file_key, notice, staging_folder,
+                              write_json, write_record)
 from cats.errors import (
     CatsError,
     DamagedFileError,
@@ -125,9 +125,7 @@ def gguf_metadata(gguf_path: Path) -> Path:
     if importlib.util.find_spec("gguf") is None:
         raise MissingDependencyError(f"loading {gguf_path.name} needs the 'gguf' package: pip install gguf")
     resolved = gguf_path.resolve()
-    stat = resolved.stat()
-    key = hashlib.sha256(f"{resolved}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_root() / "gguf-metadata" / f"{gguf_path.stem}-{key}"
+    target = cache_root() / "gguf-metadata" / f"{gguf_path.stem}-{file_key(resolved)}"
     clean_stale(target.parent)
     try:
         check_folder(target, SOURCE_RECORD)
