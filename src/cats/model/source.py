@@ -157,7 +157,7 @@ def gguf_metadata(gguf_path: Path) -> Path:
                        for tensor in reader.tensors}
             architecture = reader.get_field("general.architecture")
             index = {"architecture": architecture.contents() if architecture is not None else None,
-                     "file_bytes": stat.st_size, "tensors": tensors}
+                     "file_bytes": resolved.stat().st_size, "tensors": tensors}
             (staging / TENSOR_INDEX).write_text(json.dumps(index))
             write_record(staging, SOURCE_RECORD, {"gguf": str(resolved)})
     except CatsError:
