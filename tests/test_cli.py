@@ -76,8 +76,10 @@ def test_missing_model_is_one_line(tmp_path):
 
 @needs(SMOLLM2)
 def test_readme_quick_start_on_the_default_model():
-    """The README's first command: the default model is SmolLM2-135M-Instruct from ../shared."""
-    proc = cats_cli("generate", "--chat", "--prompt", "What is the capital of France?", "--max-new-tokens", 12,
+    """The README's first command: the default model is SmolLM2-135M-Instruct from ../shared. (Its Q4_1 file is at a
+    near-tie on "What is the capital of France?": llama.cpp answers "L'Étoile, la Marseillaise," there; this
+    wording it answers with a clear margin on every path.)"""
+    proc = cats_cli("generate", "--chat", "--prompt", "Tell me the capital of France.", "--max-new-tokens", 12,
                     "--method", "pld", "--stats")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout

@@ -17,7 +17,7 @@ from cats.loop.generator import Generator
 from cats.model import gguf_model
 from cats.model.gguf_names import shared_name_maps
 from cats.model.kernels import avx512, quantized
-from cats.model.kernels.gguf_modules import GGUFEmbedding, GGUFLinear, GGUFRows
+from cats.model.kernels.gguf_modules import GGUFEmbedding, GGUFLinear
 from cats.model.source import gguf_metadata
 from cats.prompts import encode_prompt
 from tests.conftest import SMOLLM2, STORIES_GGUF, STORIES_HF, needs, tiny_config
@@ -65,6 +65,49 @@ def test_the_blocks_compute_what_the_dequantised_float_model_computes(smollm2_bl
     for name in ("embed_tokens",):
         rows = getattr(smollm2_blocks.decoder, name)(ids)
         assert torch.equal(rows, getattr(floats.decoder, name)(ids))  # gguf-py's dequantisation on both paths
+
+
+def forwards(model, chunks, fused: bool) -> list[torch.Tensor]:
+    """Logits of each chunk of tokens fed one forward after another into one cache, each layer on the whole-layer
+    kernel (``fused``) or on the lean forward's torch ops and kernel calls."""
+    saved = model._fused_layers
+    model._fused_layers = [fused and flag for flag in saved]
+    try:
+        cache = model.new_cache()
+        with torch.no_grad():
+            return [model.forward(chunk, cache) for chunk in chunks]
+    finally:
+        model._fused_layers = saved
+
+
+@needs(SMOLLM2)
+def test_the_whole_layer_kernel_runs_the_blocks_as_the_lean_forward_does(smollm2_blocks):
+    """Forwards of up to 64 tokens run each layer in one C call whose linears are the block kernels (q and k put back
+    in transformers' order inside it): the lean forward's logits up to the rounding of the elementwise steps (which
+    can move an 8-bit activation by one step), as close to the float model's, and a chain gives the bits of one-token
+    steps (row-invariant)."""
+    if not avx512.layer_ready(torch.float32):
+        pytest.skip("no whole-layer kernel here")
+    model = smollm2_blocks
+    ids = torch.tensor(model.tokenizer("The capital of France is Paris. The capital of Italy is Rome, and")["input_ids"])
+    chunks = [ids[:8], ids[8:9], ids[9:]]
+    calls = []
+    original = avx512.layer
+    avx512.layer = lambda *args: (calls.append(args[1].shape[1]), original(*args))[1]
+    try:
+        fused = forwards(model, chunks, True)
+    finally:
+        avx512.layer = original
+    assert len(calls) == model.num_layers * len(chunks) and set(calls) == {8, 1, len(ids) - 9}
+    lean = forwards(model, chunks, False)
+    floats = forwards(cats.load_model(SMOLLM2, kernels="aten"), chunks, False)
+    for a, b, reference in zip(fused, lean, floats):
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        # both are the float model up to 8-bit activations, whose steps the small model amplifies: as close to it
+        assert (a - reference).abs().max() < 1.5 * (b - reference).abs().max()
+        assert (a - b).abs().max() < 0.1 * b.abs().max()
+    singles = forwards(model, [ids[:8]] + [ids[i:i + 1] for i in range(8, len(ids))], True)
+    assert torch.equal(torch.cat(fused[1:]), torch.cat(singles[1:]))
 
 
 @needs(STORIES_GGUF)

@@ -120,7 +120,7 @@ class LayeredModel:
         self.lean = lean_default()
         self.exact_attention = exact_attention_default()  # lean, but transformers' single-query attention (CATS_LEAN=exact)
         self._lean_layers = [lean_unsupported(layer) is None for layer in self.layers[: self.num_layers]]
-        # layers the whole-layer kernel can run once packed (`cats.model.kernels.layer_forward.fused_layer_forward`)
+        # layers the whole-layer kernel can run once packed or on GGUF blocks (`cats.model.kernels.layer_forward.fused_layer_forward`)
         self._fused_layers = [fused_unsupported(layer) is None for layer in self.layers[: self.num_layers]]
         self._fused_head_dim = next((layer.self_attn.head_dim for layer, fused in zip(self.layers, self._fused_layers)
                                      if fused), 0)
@@ -242,21 +242,21 @@ class LayeredModel:
         rotary = {kind: self.rotary(hidden, device_positions, kind) for kind in kinds}
         weights = self.weights
         fused = {}  # per attention kind: whether the whole-layer kernel runs this forward
-        if (self.packed and self.lean and not self.exact_attention and weights is None
+        if ((self.packed or self._gguf) and self.lean and not self.exact_attention
                 and num_new <= ATTENTION_QUERY_LIMIT and any(self._fused_layers[start:end])):
             hidden = hidden.clone(memory_format=torch.contiguous_format)  # it works in place: not on the caller's
             fused = {kind: fused_ready(hidden, masks[kind], rotary[kind], self._fused_head_dim) for kind in kinds}
         for i in range(start, end):
             kind = self.layer_types[i]
-            if not (fused.get(kind) and self._fused_layers[i] and fused_layer_forward(
-                    self.layers[i], hidden, masks[kind], rotary[kind], cache.hf_cache)):
-                if weights is not None:  # a streamed layer's parameters are real only between acquire and release
-                    weights.acquire(i)
-                try:
+            if weights is not None:  # a streamed layer's parameters are real only between acquire and release
+                weights.acquire(i)
+            try:
+                if not (fused.get(kind) and self._fused_layers[i] and fused_layer_forward(
+                        self.layers[i], hidden, masks[kind], rotary[kind], cache.hf_cache)):
                     hidden = self.run_layer(i, hidden, masks[kind], rotary[kind], device_positions, cache.hf_cache)
-                finally:
-                    if weights is not None:
-                        weights.release(i)
+            finally:
+                if weights is not None:
+                    weights.release(i)
             if capture is not None and i + 1 in capture and i + 1 < end:
                 capture[i + 1] = hidden[0].clone()
         cache.record(start, end, position_ids)

@@ -547,6 +547,13 @@ struct cats_layer {
   const void* o; const float* o_bias;      /* [H, Hq D] */
   const void* gate_up; const float* gate_up_bias; /* [gate; up] ([2 inter, H]) */
   const void* down; const float* down_bias; /* [H, inter] */
+  /* NULL: the four linears above are packed panels. Else they are GGUF block linears (float32 only): qkv, o, gate_up
+   * and down each point to a group of linears that this function multiplies, called by every thread of the team
+   * (`cats_quantized_team` in quantized.c; the biases are the groups' own, the *_bias fields unused). */
+  int (*blocks)(const void* group, const float* X, float* Y, long M);
+  /* blocks only, NULL where q and k are stored in the model's order: column j of [q; k] in the model's order is
+   * column qk_order[j] of the block linears' output (llama.cpp's converter reorders Llama's q and k rows) */
+  const long* qk_order;
 };
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -607,8 +614,22 @@ static void shared_linear(const void* W, const void* X, const float* bias, void*
   f32_panels((const float*)W, (const float*)X, bias, (float*)Y, M, N, K, p0, p1);
 }
 
-void cats_layer(const struct cats_layer* L, void* hidden, long T, const void* cos, const void* sin, void* kbuf,
-                void* vbuf, long kv_head, long past, const float* mask, long mask_row, void* scratch, int threads) {
+/* one linear of the layer, y = x W^T (+ bias) for the T rows, by the whole team (every thread calls it; the rows of y
+ * are complete for all when it returns); `failed` collects the block linears' errors */
+#define LAYER_LINEAR(W, bias, X, Y, N, K)                                                        \
+  if (L->blocks) {                                                                              \
+    int done = L->blocks(W, (const float*)(X), (float*)(Y), T);                                 \
+    if (done) {                                                                                 \
+      _Pragma("omp atomic write") failed = done;                                                \
+    }                                                                                           \
+  } else {                                                                                      \
+    shared_linear(W, X, bias, Y, T, N, K, bf16);                                                \
+    _Pragma("omp barrier")                                                                      \
+  }
+
+/* Returns 0, or what a block linear returned (-1: a type it does not take, -2: out of memory). */
+int cats_layer(const struct cats_layer* L, void* hidden, long T, const void* cos, const void* sin, void* kbuf,
+               void* vbuf, long kv_head, long past, const float* mask, long mask_row, void* scratch, int threads) {
   const int bf16 = L->bf16;
   const long H = L->H, D = L->D, Hq = L->Hq, Hk = L->Hk, I = L->inter, S = past + T, half = D / 2;
   const long qw = Hq * D, kw = Hk * D, width = qw + 2 * kw, size = bf16 ? 2 : 4;
@@ -623,23 +644,25 @@ void cats_layer(const struct cats_layer* L, void* hidden, long T, const void* co
   long groups = Hq / Hk, passes = (groups + GROUP_HEADS - 1) / GROUP_HEADS;
   long items = bf16 ? Hk * T * passes : Hq * T;
   __m512i order = lane_order();
+  const long* qk_order = L->blocks ? L->qk_order : NULL;
+  int failed = 0;
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
     for (long t = 0; t < T; t++)
       norm_row((char*)hidden + t * H * size, L->ln1, (char*)normed + t * H * size, H, L->eps1, bf16);
-    shared_linear(L->qkv, normed, L->qkv_bias, qkv, T, width, H, bf16);
-#pragma omp barrier
+    LAYER_LINEAR(L->qkv, L->qkv_bias, normed, qkv, width, H)
     /* rotary on q and k (x cos + rotate_half(x) sin, each product rounded, then the sum), K and V into the cache */
 #pragma omp for schedule(static)
     for (long item = 0; item < T * (Hq + Hk); item++) {
       long t = item / (Hq + Hk), head = item % (Hq + Hk);
-      const char* row = (const char*)qkv + (t * width + head * D) * size;
+      const char* row = (const char*)qkv + t * width * size; /* column j of [q; k]: at(j) */
+#define at(j) (qk_order ? qk_order[j] : (j))
       void* target = head < Hq ? (void*)((char*)query + (t * qw + head * D) * size)
                                : (void*)((char*)kbuf + ((head - Hq) * kv_head + (past + t) * D) * size);
-      for (long d = 0; d < D; d++) {
-        float x = load_at(row, d, bf16);
-        float turned = d < half ? -load_at(row, d + half, bf16) : load_at(row, d - half, bf16);
+      for (long d = 0, j = head * D; d < D; d++, j++) {
+        float x = load_at(row, at(j), bf16);
+        float turned = d < half ? -load_at(row, at(j + half), bf16) : load_at(row, at(j - half), bf16);
         float c = load_at(cos, t * D + d, bf16), s = load_at(sin, t * D + d, bf16);
         store_at(target, d, rounded(x * c, bf16) + rounded(turned * s, bf16), bf16);
       }
@@ -647,6 +670,7 @@ void cats_layer(const struct cats_layer* L, void* hidden, long T, const void* co
         memcpy((char*)vbuf + ((head - Hq) * kv_head + (past + t) * D) * size,
                (const char*)qkv + (t * width + qw + kw + (head - Hq) * D) * size, D * size);
     }
+#undef at
     if (bf16) {
 #if HAS_BF16
       struct bf16_buffers buffers = bf16_buffers_new(S);
@@ -665,15 +689,13 @@ void cats_layer(const struct cats_layer* L, void* hidden, long T, const void* co
                            D, mask, mask_row, (float*)attended, qw, S, D, L->scale, scores, order);
       free(scores);
     }
-    shared_linear(L->o, attended, L->o_bias, projected, T, H, qw, bf16);
-#pragma omp barrier
+    LAYER_LINEAR(L->o, L->o_bias, attended, projected, H, qw)
 #pragma omp for schedule(static)
     for (long t = 0; t < T; t++) {
       add_row((char*)hidden + t * H * size, (const char*)projected + t * H * size, H, bf16);
       norm_row((char*)hidden + t * H * size, L->ln2, (char*)normed + t * H * size, H, L->eps2, bf16);
     }
-    shared_linear(L->gate_up, normed, L->gate_up_bias, gate_up, T, 2 * I, H, bf16);
-#pragma omp barrier
+    LAYER_LINEAR(L->gate_up, L->gate_up_bias, normed, gate_up, 2 * I, H)
     /* silu(gate) = gate / (1 + exp(-gate)) (gate >= 0) or gate e / (1 + e), e = exp(gate) (gate < 0), rounded; then
      * times up, rounded */
 #pragma omp for schedule(static)
@@ -696,11 +718,11 @@ void cats_layer(const struct cats_layer* L, void* hidden, long T, const void* co
           store_at((char*)activated + t * I * size, j0 + j, rounded(values[j], bf16) * ups[j], bf16);
       }
     }
-    shared_linear(L->down, activated, L->down_bias, projected, T, H, I, bf16);
-#pragma omp barrier
+    LAYER_LINEAR(L->down, L->down_bias, activated, projected, H, I)
 #pragma omp for schedule(static)
     for (long t = 0; t < T; t++) add_row((char*)hidden + t * H * size, (const char*)projected + t * H * size, H, bf16);
   }
+  return failed;
 }
 
 /* bytes of scratch cats_layer needs for T tokens */

@@ -124,6 +124,23 @@ def fused_gguf_linear(hidden: torch.Tensor, modules) -> torch.Tensor | None:
     return out if group[2] is None else out.index_select(-1, group[2])
 
 
+def layer_groups(linears) -> tuple | None:
+    """For the whole-layer kernel (`cats.model.kernels.layer_forward`): the linears q, k, v, o, gate, up, down of a
+    Llama-style layer as four `quantized.Group`\ s ([q; k; v], o, [gate; up], down) and the order of [q; k] (int64:
+    column j in the model's order is column ``order[j]`` of the group's output; None where stored in the model's
+    order); None unless all seven are `GGUFLinear`\ s whose rows only q and k reorder."""
+    if not all(isinstance(module, GGUFLinear) for module in linears):
+        return None
+    q, k, v, o, gate, up, down = linears
+    if any(module.order is not None for module in (v, o, gate, up, down)):
+        return None
+    group = lambda modules: quantized.Group([(m.blocks, m.type_code, m.bias) for m in modules],  # noqa: E731
+                                            modules[0].columns)
+    qk_order = _joined_order((q, k))
+    return (group((q, k, v)), group((o,)), group((gate, up)), group((down,)),
+            None if qk_order is None else qk_order.contiguous())
+
+
 def _joined_order(modules) -> torch.Tensor | None:
     """The output order of `quantized.linears` over ``modules`` side by side (None: each in its stored order)."""
     if all(module.order is None for module in modules):

@@ -30,6 +30,7 @@ lossless tests run on this path; transformers' own ``generate`` never does, so t
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 
@@ -37,8 +38,8 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from cats.model.kernels import avx512
-from cats.model.kernels.gguf_modules import GGUFLinear, fused_gguf_linear
+from cats.model.kernels import avx512, quantized
+from cats.model.kernels.gguf_modules import GGUFLinear, fused_gguf_linear, layer_groups
 from cats.model.kernels.packing import (
     LAYER_SPECS,
     _weight_key,
@@ -247,15 +248,15 @@ def lean_layer_forward(layer: nn.Module, hidden: torch.Tensor, attention_mask: t
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The whole layer in one kernel call (`avx512.layer`): for a packed model on the AVX-512 kernels, a Llama-style layer
-# over a few tokens (decode steps, drafts, verifications) runs as one C function instead of ~40 torch ops and five
-# kernel calls; the linears and attention are the same kernels, so it stays row-invariant.
+# The whole layer in one kernel call (`avx512.layer`): for a packed model on the AVX-512 kernels, or a model on GGUF
+# blocks, a Llama-style layer over a few tokens (decode steps, drafts, verifications) runs as one C function instead
+# of ~40 torch ops and five kernel calls; the linears and attention are the same kernels, so it stays row-invariant.
 
 FUSED_LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"})
 
 
 def fused_unsupported(layer: nn.Module) -> str | None:
-    """None if `fused_layer_forward` can run ``layer`` (once packed, on the kernels), else why not."""
+    """None if `fused_layer_forward` can run ``layer`` (once packed, or on GGUF blocks), else why not."""
     reason = lean_unsupported(layer)
     if reason is not None:
         return reason
@@ -296,8 +297,8 @@ def _parts_key(parts: tuple) -> list:
 
 
 def _layer_spec(layer: nn.Module, dtype: torch.dtype):
-    """The layer's `avx512.LayerSpec` over its packed copies, or None if a linear is not packed or a weight is not
-    ``dtype``; kept in `lean.LAYER_SPECS` with what it points to, made again whenever a weight or bias changed
+    """The layer's `avx512.LayerSpec` over its packed copies or its GGUF blocks (float32), or None if a linear is
+    neither or a weight is not ``dtype``; kept in `lean.LAYER_SPECS` with what it points to, made again whenever a weight or bias changed
     (checked on every call: the same modules, their tensors' storage and version; ~3 µs)."""
     entry = LAYER_SPECS.get(layer)
     parts = _layer_parts(layer)
@@ -306,22 +307,35 @@ def _layer_spec(layer: nn.Module, dtype: torch.dtype):
         return entry[0]
     first_norm, second_norm, linears = parts[0], parts[1], parts[2:]
     norms = (first_norm.weight, second_norm.weight)
-    if not all(is_packed(module) for module in linears) or any(w.dtype != dtype for w in norms):
+    if any(w.dtype != dtype for w in norms):
+        return None
+    norms = tuple(norm.detach().contiguous() for norm in norms)
+    attention = layer.self_attn
+    config = attention.config
+    shapes = dict(H=config.hidden_size, Hq=config.num_attention_heads, Hk=config.num_key_value_heads,
+                  D=attention.head_dim, inter=linears[4].out_features, eps1=first_norm.variance_epsilon,
+                  eps2=second_norm.variance_epsilon, scale=attention.scaling, ln1=norms[0].data_ptr(),
+                  ln2=norms[1].data_ptr())
+    groups = layer_groups(linears) if dtype == torch.float32 else None
+    if groups is not None:  # GGUF blocks: the kernel calls the quantised kernels' team function for the linears
+        qkv, o, gate_up, down, qk_order = groups
+        address = ctypes.addressof
+        spec = avx512.LayerSpec(bf16=0, **shapes, qkv=address(qkv.spec), o=address(o.spec),
+                                gate_up=address(gate_up.spec), down=address(down.spec),
+                                blocks=quantized.team_function(),
+                                qk_order=None if qk_order is None else qk_order.data_ptr())
+        LAYER_SPECS[layer] = (spec, parts, key, (norms, groups))
+        return spec
+    if not all(is_packed(module) for module in linears):
         return None
     qkv, gate_up = fused_copy(linears[:3], dtype, True), fused_copy(linears[4:6], dtype, True)
     if qkv is None or gate_up is None:
         return None
     _, o, o_bias = panel_copy(linears[3])
     _, down, down_bias = panel_copy(linears[6])
-    norms = tuple(norm.detach().contiguous() for norm in norms)
-    attention = layer.self_attn
-    config = attention.config
     pointer = lambda tensor: None if tensor is None else tensor.data_ptr()  # noqa: E731
     spec = avx512.LayerSpec(
-        bf16=int(dtype == torch.bfloat16), H=config.hidden_size, Hq=config.num_attention_heads,
-        Hk=config.num_key_value_heads, D=attention.head_dim, inter=linears[4].out_features,
-        eps1=first_norm.variance_epsilon, eps2=second_norm.variance_epsilon, scale=attention.scaling,
-        ln1=norms[0].data_ptr(), ln2=norms[1].data_ptr(), qkv=qkv[1].data_ptr(), qkv_bias=pointer(qkv[2]),
+        bf16=int(dtype == torch.bfloat16), **shapes, qkv=qkv[1].data_ptr(), qkv_bias=pointer(qkv[2]),
         o=o.data_ptr(), o_bias=pointer(o_bias), gate_up=gate_up[1].data_ptr(), gate_up_bias=pointer(gate_up[2]),
         down=down.data_ptr(), down_bias=pointer(down_bias))
     LAYER_SPECS[layer] = (spec, parts, key, (norms, qkv, gate_up, o, o_bias, down, down_bias))

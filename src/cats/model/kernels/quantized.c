@@ -141,25 +141,46 @@ typedef struct {
 static void quantise_row(const float* x, long K, int block, acts a) {
   for (long b = 0; b < K / block; b++) {
     const float* v = x + b * block;
-    float amax = 0.0f;
-    for (int i = 0; i < block; i++) amax = fmaxf(amax, fabsf(v[i]));
-    float inverse = amax > 0.0f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
     int8_t* q = a.q + b * block;
-    for (int i = 0; i < block; i++) {
-      int value = (int)lrintf(v[i] * inverse);
-      q[i] = (int8_t)(value > 127 ? 127 : value < -127 ? -127 : value);
+    /* max |v| (a NaN is skipped, as fmaxf skips it), then each value times 127 / max, rounded to nearest even (the
+     * rounding mode in force, as lrintf), clamped to +-127; each 16 values' sum */
+#ifdef WIDE
+    __m512 top = _mm512_setzero_ps();
+    for (int i = 0; i < block; i += 16) top = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(v + i)), top);
+    float amax = _mm512_reduce_max_ps(top);
+#else
+    __m256 top = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.0f);
+    for (int i = 0; i < block; i += 8) top = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)), top);
+    float lanes[8], amax = 0.0f;
+    _mm256_storeu_ps(lanes, top);
+    for (int i = 0; i < 8; i++) amax = fmaxf(amax, lanes[i]);
+#endif
+    float inverse = amax > 0.0f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
+    int sums16[16];
+    for (int g = 0; g < block / 16; g++) {
+#ifdef WIDE
+      __m512i values = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + 16 * g), _mm512_set1_ps(inverse)));
+      values = _mm512_max_epi32(_mm512_min_epi32(values, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+      _mm_storeu_si128((__m128i*)(q + 16 * g), _mm512_cvtepi32_epi8(values));
+      sums16[g] = _mm512_reduce_add_epi32(values);
+#else
+      __m256i sum = _mm256_setzero_si256();
+      for (int h = 0; h < 2; h++) {
+        __m256i values = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 16 * g + 8 * h), _mm256_set1_ps(inverse)));
+        values = _mm256_max_epi32(_mm256_min_epi32(values, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+        sum = _mm256_add_epi32(sum, values);
+        int32_t wide[8];
+        _mm256_storeu_si256((__m256i*)wide, values);
+        for (int i = 0; i < 8; i++) q[16 * g + 8 * h + i] = (int8_t)wide[i];
+      }
+      int32_t parts[8];
+      _mm256_storeu_si256((__m256i*)parts, sum);
+      sums16[g] = parts[0] + parts[1] + parts[2] + parts[3] + parts[4] + parts[5] + parts[6] + parts[7];
+#endif
     }
     a.d[b] = d;
-    for (int g = 0; g < block / 16; g++) {
-      int s = 0;
-      for (int i = 0; i < 16; i++) s += q[g * 16 + i];
-      a.sums16[b * (block / 16) + g] = d * (float)s;
-    }
-    for (int g = 0; g < block / 32; g++) {
-      int s = 0;
-      for (int i = 0; i < 32; i++) s += q[g * 32 + i];
-      a.sums32[b * (block / 32) + g] = d * (float)s;
-    }
+    for (int g = 0; g < block / 16; g++) a.sums16[b * (block / 16) + g] = d * (float)sums16[g];
+    for (int g = 0; g < block / 32; g++) a.sums32[b * (block / 32) + g] = d * (float)(sums16[2 * g] + sums16[2 * g + 1]);
     if (block == 32)
       for (int i = 0; i < 8; i++) a.lanes[b * 8 + i] = d;
   }
@@ -213,6 +234,23 @@ static inline float decode_k(int type, const uint8_t* p, v64* w, v64* scale, flo
       scale[u] = join(_mm256_set_m128i(_mm_set1_epi16(s[4 * u + 1]), _mm_set1_epi16(s[4 * u])),
                       _mm256_set_m128i(_mm_set1_epi16(s[4 * u + 3]), _mm_set1_epi16(s[4 * u + 2])));
 #endif
+#ifdef WIDE
+    /* per half of 128 values: ql (64 bytes) and qh (32 bytes, broadcast to both halves of a vector): the low nibbles
+     * with qh's bits 0-1 (first 32 values) and 2-3 (next 32), the high nibbles with bits 4-5 and 6-7, each pair of
+     * bits shifted to bits 4-5 (16-bit shifts by lane: what crosses into the next byte is masked off) */
+    const __m512i low = _mm512_set1_epi8(0x0f), fifth_sixth = _mm512_set1_epi8(0x30);
+    const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i down = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    for (int h = 0; h < 2; h++) {
+      __m512i l = _mm512_loadu_si512(p + 64 * h);
+      __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(p + 128 + 32 * h)));
+      __m512i even = _mm512_and_si512(_mm512_sllv_epi16(hb, up), fifth_sixth);
+      __m512i odd = _mm512_and_si512(_mm512_srlv_epi16(hb, down), fifth_sixth);
+      w[2 * h] = _mm512_ternarylogic_epi32(l, even, low, 0xEC); /* (l & low) | even */
+      w[2 * h + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(l, 4), odd, low, 0xEC);
+    }
+    return d;
+#endif
     __m256i three = _mm256_set1_epi8(3);
     for (int h = 0; h < 2; h++) {
       const uint8_t *ql = p + 64 * h, *qh = p + 128 + 32 * h;
@@ -252,6 +290,23 @@ static inline float decode_k(int type, const uint8_t* p, v64* w, v64* scale, flo
                     _mm256_set1_epi16((short)((scales >> (16 * u + 8)) & 0xff)));
 #endif
   const uint8_t* qs = p + (type == Q5_K ? 48 : 16);
+#ifdef WIDE
+  /* 32 bytes of nibbles broadcast to both halves of a vector, shifted by 0 (low nibbles: sub-block 2j) and 4 (high:
+   * 2j + 1); Q5_K: bits 2j and 2j + 1 of its fifth bits, likewise */
+  const __m512i low = _mm512_set1_epi8(0x0f), one = _mm512_set1_epi8(1);
+  const __m512i nibble = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  __m512i fifths = type == Q5_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(p + 16)))
+                                : _mm512_setzero_si512();
+  for (int j = 0; j < 4; j++) {
+    __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qs + 32 * j)));
+    w[j] = _mm512_and_si512(_mm512_srlv_epi16(q, nibble), low);
+    if (type == Q5_K) {
+      __m512i bit = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)), _mm256_set1_epi16((short)(2 * j + 1)), 1);
+      w[j] = _mm512_or_si512(w[j], _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(fifths, bit), one), 4));
+    }
+  }
+  return d;
+#else
   __m256i fifth = type == Q5_K ? _mm256_loadu_si256((const __m256i*)(p + 16)) : _mm256_setzero_si256();
   __m256i one = _mm256_set1_epi8(1);
   for (int j = 0; j < 4; j++) {
@@ -266,6 +321,7 @@ static inline float decode_k(int type, const uint8_t* p, v64* w, v64* scale, flo
     w[j] = join(lo, hi);
   }
   return d;
+#endif
 }
 
 /* Tokens a[0 .. T-1] against one row of k-quant blocks into out[T], T a constant (1, 2, 4 or 8): each block is
@@ -449,18 +505,17 @@ static int block_values(int type) {
   }
 }
 
-/* Y[M, N] = X[M, K] W^T (+ bias), W: N rows of row_bytes bytes of GGUF type `type`. Returns 0, or -1 for a type or
- * a K these kernels do not take (K a multiple of the type's block), -2 if out of memory. */
-/* X's rows quantised for blocks of `block` values (256 or 32): the row records point into *q and *floats (which
- * the caller frees with the returned array). NULL if out of memory. */
-static acts* quantise_rows(const float* X, long M, long K, int block, int threads, int8_t** q, float** floats) {
+/* X's rows quantised for blocks of `block` values (256 or 32), into room `quantise_room` allocated: the row records
+ * point into *q and *floats (which the caller frees with the returned array). NULL if out of memory. */
+static acts* quantise_room(long M, long K, int8_t** q, float** floats) {
   long padded = (K + 63) / 64 * 64, per = padded / 32 + 2; /* 32-value blocks per row, with room for a pair */
   long stride = per * 8 + per * 2 + per * 2 + per;          /* lanes, sums16, sums32 (or per-block d), d */
   acts* rows = malloc(sizeof(acts) * M);
   *q = calloc((size_t)(M * padded), 1);
   *floats = calloc((size_t)(M * stride), sizeof(float));
   if (!rows || !*q || !*floats) {
-    free(rows);
+    free(rows); free(*q); free(*floats);
+    *q = NULL; *floats = NULL;
     return NULL;
   }
   for (long m = 0; m < M; m++) {
@@ -468,65 +523,104 @@ static acts* quantise_rows(const float* X, long M, long K, int block, int thread
     acts a = {*q + m * padded, f, f + per, f + per + per * 8, f + per + per * 8 + per * 2};
     rows[m] = a;
   }
-#pragma omp parallel for num_threads(threads) schedule(static) if (M * K > 65536)
-  for (long m = 0; m < M; m++) quantise_row(X + m * K, K, block, rows[m]);
   return rows;
 }
 
-/* Several linears on the same input in one call: Y[M, sum N] holds them side by side (linear i in columns
- * offset_i .. offset_i + N_i - 1), Y[m, offset_i + n] = X[m] . W_i[n] (+ bias_i[n]), W_i: N_i rows of row_bytes_i
- * bytes of GGUF type types[i] (NULL biases: none). X is quantised once per block size. Returns 0, -1 for a type or
- * a K these kernels do not take (K a multiple of each type's block), -2 if out of memory. */
-int cats_quantized_linears(int count, const int* types, const uint8_t* const* W, const long* row_bytes,
-                           const long* N, const float* const* biases, const float* X, float* Y, long M, long K,
-                           int threads) {
-  long total = 0, chunks = 0, chunk = 16;
+/* Several linears that read the same input, as `cats_quantized_team` takes them: linear i has N[i] rows of
+ * row_bytes[i] bytes of GGUF type types[i] at W[i], and float32 bias biases[i] (NULL: none); every row holds K
+ * values. */
+struct cats_group {
+  int count;
+  const int* types;
+  const uint8_t* const* W;
+  const long* row_bytes;
+  const long* N;
+  const float* const* biases;
+  long K;
+};
+
+/* Y[M, sum N] = the group's linears on X[M, K] side by side (linear i in columns offset_i .. offset_i + N_i - 1):
+ * Y[m, offset_i + n] = X[m] . W_i[n] (+ bias_i[n]). X is quantised once per block size. Called by every thread of
+ * an OpenMP team with the same arguments (or outside a parallel region: a team of one); the team quantises X's rows
+ * and then shares the rows of W, in chunks of 16, and returns together. Returns 0, -1 for a type or a K these
+ * kernels do not take (K a multiple of each type's block), -2 if out of memory (this thread's share is then
+ * missing: callers combine every thread's result). */
+int cats_quantized_team(const struct cats_group* g, const float* X, float* Y, long M) {
+  long total = 0, chunks = 0, chunk = 16, K = g->K;
   int families = 0; /* bit 0: 32-value blocks, bit 1: 256 */
-  for (int i = 0; i < count; i++) {
-    int block = block_values(types[i]);
+  for (int i = 0; i < g->count; i++) {
+    int block = block_values(g->types[i]);
     if (block == 0 || K % block) return -1;
     families |= block == 32 ? 1 : block == 256 ? 2 : 0;
-    total += N[i];
-    chunks += (N[i] + chunk - 1) / chunk;
+    total += g->N[i];
+    chunks += (g->N[i] + chunk - 1) / chunk;
   }
   if (M <= 0 || total <= 0) return 0;
   acts *rows32 = NULL, *rows256 = NULL;
   int8_t *q32 = NULL, *q256 = NULL;
   float *f32 = NULL, *f256 = NULL;
   int failed = 0;
-  if (families & 1) failed |= !(rows32 = quantise_rows(X, M, K, 32, threads, &q32, &f32));
-  if (families & 2) failed |= !(rows256 = quantise_rows(X, M, K, 256, threads, &q256, &f256));
-  long padded = (K + 63) / 64 * 64;
+#pragma omp single copyprivate(rows32, rows256, q32, q256, f32, f256, failed)
+  {
+    if (families & 1) failed |= !(rows32 = quantise_room(M, K, &q32, &f32));
+    if (families & 2) failed |= !(rows256 = quantise_room(M, K, &q256, &f256));
+  }
   if (!failed) {
-#pragma omp parallel num_threads(threads) if (threads > 1 && chunks > 1)
-    {
-      float* scratch = malloc(sizeof(float) * (size_t)(padded / 16 + 16)); /* a row's offsets */
-      if (!scratch) {
-#pragma omp atomic write
-        failed = 1;
-      }
 #pragma omp for schedule(static)
-      for (long c = 0; c < chunks; c++) {
-        long first = c, offset = 0; /* chunk c: linear i, rows n0 .. n1 - 1 */
-        int i = 0;
-        while (first >= (N[i] + chunk - 1) / chunk) {
-          first -= (N[i] + chunk - 1) / chunk;
-          offset += N[i];
-          i++;
-        }
-        long n0 = first * chunk, n1 = n0 + chunk < N[i] ? n0 + chunk : N[i];
-        int block = block_values(types[i]);
-        if (!scratch) continue;
-        if (block == 1) rows_float(types[i], W[i], row_bytes[i], n0, n1, X, M, K, biases[i], Y + offset, total);
-        else rows_blocks(types[i], block, W[i], row_bytes[i], n0, n1, block == 32 ? rows32 : rows256, M, K,
-                         biases[i], Y + offset, total, scratch);
+    for (long m = 0; m < M; m++) {
+      if (rows32) quantise_row(X + m * K, K, 32, rows32[m]);
+      if (rows256) quantise_row(X + m * K, K, 256, rows256[m]);
+    }
+    long padded = (K + 63) / 64 * 64;
+    float* scratch = malloc(sizeof(float) * (size_t)(padded / 16 + 16)); /* a row's offsets */
+#pragma omp for schedule(static)
+    for (long c = 0; c < chunks; c++) {
+      long first = c, offset = 0; /* chunk c: linear i, rows n0 .. n1 - 1 */
+      int i = 0;
+      while (first >= (g->N[i] + chunk - 1) / chunk) {
+        first -= (g->N[i] + chunk - 1) / chunk;
+        offset += g->N[i];
+        i++;
       }
-      free(scratch);
+      long n0 = first * chunk, n1 = n0 + chunk < g->N[i] ? n0 + chunk : g->N[i];
+      int block = block_values(g->types[i]);
+      if (!scratch) continue;
+      if (block == 1)
+        rows_float(g->types[i], g->W[i], g->row_bytes[i], n0, n1, X, M, K, g->biases[i], Y + offset, total);
+      else
+        rows_blocks(g->types[i], block, g->W[i], g->row_bytes[i], n0, n1, block == 32 ? rows32 : rows256, M, K,
+                    g->biases[i], Y + offset, total, scratch);
+    }
+    failed |= !scratch;
+    free(scratch);
+  }
+#pragma omp barrier
+#pragma omp single
+  {
+    free(rows32); free(q32); free(f32);
+    free(rows256); free(q256); free(f256);
+  }
+  return failed ? -2 : 0;
+}
+
+/* `cats_quantized_team` on `threads` threads of a team of its own: several linears on the same input in one call
+ * (W_i, row_bytes_i, N_i, biases_i, types_i as in `struct cats_group`). */
+int cats_quantized_linears(int count, const int* types, const uint8_t* const* W, const long* row_bytes,
+                           const long* N, const float* const* biases, const float* X, float* Y, long M, long K,
+                           int threads) {
+  struct cats_group g = {count, types, W, row_bytes, N, biases, K};
+  long rows = 0;
+  for (int i = 0; i < count; i++) rows += N[i];
+  int done = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && rows > 16)
+  {
+    int mine = cats_quantized_team(&g, X, Y, M);
+    if (mine) {
+#pragma omp atomic write
+      done = mine;
     }
   }
-  free(rows32); free(q32); free(f32);
-  free(rows256); free(q256); free(f256);
-  return failed ? -2 : 0;
+  return done;
 }
 
 /* One linear: Y[M, N] = X[M, K] W^T (+ bias), W: N rows of row_bytes bytes of GGUF type `type` (see

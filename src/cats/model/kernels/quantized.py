@@ -148,9 +148,18 @@ def _library_in_use():
     return _STATE[_STATE["chosen"][0]][0]
 
 
+class GroupSpec(ctypes.Structure):
+    """``struct cats_group`` (``quantized.c``): several linears on one input, as `team_function` takes them."""
+
+    _fields_ = [("count", ctypes.c_int), ("types", ctypes.c_void_p), ("W", ctypes.c_void_p),
+                ("row_bytes", ctypes.c_void_p), ("N", ctypes.c_void_p), ("biases", ctypes.c_void_p),
+                ("K", ctypes.c_long)]
+
+
 class Group:
     """Several linears that read the same input (q, k and v; gate and up), for `linears`: their rows, types and
-    biases as the C function takes them (the tensors are kept alive here)."""
+    biases as the C function takes them (the tensors are kept alive here); ``spec`` is the same as a
+    ``struct cats_group`` for `team_function`."""
 
     def __init__(self, parts: list[tuple[torch.Tensor, int, torch.Tensor | None]], columns: int):
         self.parts, self.columns = parts, columns
@@ -161,6 +170,15 @@ class Group:
         self.row_bytes = (ctypes.c_long * count)(*[blocks.stride(0) for blocks, _, _ in parts])
         self.sizes = (ctypes.c_long * count)(*[blocks.shape[0] for blocks, _, _ in parts])
         self.biases = (ctypes.c_void_p * count)(*[None if bias is None else bias.data_ptr() for _, _, bias in parts])
+        address = ctypes.addressof
+        self.spec = GroupSpec(count, address(self.types), address(self.pointers), address(self.row_bytes),
+                              address(self.sizes), address(self.biases), columns)
+
+
+def team_function() -> int:
+    """The address of ``cats_quantized_team`` in the build in use: a group's linears computed by every thread of the
+    caller's OpenMP team (the whole-layer kernel, `cats.model.kernels.avx512.layer`, calls it for its linears)."""
+    return ctypes.cast(_library_in_use().cats_quantized_team, ctypes.c_void_p).value
 
 
 def linears(hidden: torch.Tensor, group: Group) -> torch.Tensor:
