@@ -8,10 +8,10 @@ out=${1:-bench-out}
 shared=${CATS_SHARED:-../shared}
 qwen=$("$shared/tools/get-model" qwen2.5-coder-1.5b-instruct | tail -1)
 cats bench --model "$shared/data/smollm2-135m-instruct-gguf" --threads 2 --max-new-tokens 96 --per-category 1 \
-  --methods ar,hf-ar,pld,dytc,llama-server,llama-server-ngram --questions "$shared/data/mt_bench/question.jsonl" \
+  --methods ar,hf-ar,pld,recycle,dytc,llama-server,llama-server-ngram --questions "$shared/data/mt_bench/question.jsonl" \
   --out "$out/gguf-smollm2-mtbench" --no-progress
 cats bench --model "$qwen" --threads 2 --max-new-tokens 96 --per-category 1 \
-  --methods ar,pld,dytc,llama-server,llama-server-ngram --questions "$shared/data/spec_bench/question.jsonl" \
+  --methods ar,pld,recycle,dytc,llama-server,llama-server-ngram --questions "$shared/data/spec_bench/question.jsonl" \
   --out "$out/gguf-qwen-specbench" --no-progress
 python benchmarks/gguf_plot.py --out "$out/gguf-tokens-per-s.png" \
   "SmolLM2-135M Q4_1 (MT-Bench)=$out/gguf-smollm2-mtbench/summary.json" \
