@@ -81,7 +81,7 @@ def forwards(model, chunks, fused: bool) -> list[torch.Tensor]:
 
 
 @needs(SMOLLM2)
-def test_the_whole_layer_kernel_runs_the_blocks_as_the_lean_forward_does(smollm2_blocks):
+def test_the_whole_layer_kernel_runs_the_blocks_as_the_lean_forward_does(smollm2_blocks, monkeypatch):
     """Forwards of up to 64 tokens run each layer in one C call whose linears are the block kernels (q and k put back
     in transformers' order inside it): the lean forward's logits up to the rounding of the elementwise steps (which
     can move an 8-bit activation by one step), as close to the float model's, and a chain gives the bits of one-token
@@ -91,13 +91,10 @@ def test_the_whole_layer_kernel_runs_the_blocks_as_the_lean_forward_does(smollm2
     model = smollm2_blocks
     ids = torch.tensor(model.tokenizer("The capital of France is Paris. The capital of Italy is Rome, and")["input_ids"])
     chunks = [ids[:8], ids[8:9], ids[9:]]
-    calls = []
-    original = avx512.layer
-    avx512.layer = lambda *args: (calls.append(args[1].shape[1]), original(*args))[1]
-    try:
-        fused = forwards(model, chunks, True)
-    finally:
-        avx512.layer = original
+    calls, original = [], avx512.layer
+    monkeypatch.setattr(avx512, "layer", lambda *args: (calls.append(args[1].shape[1]), original(*args))[1])
+    fused = forwards(model, chunks, True)
+    monkeypatch.undo()
     assert len(calls) == model.num_layers * len(chunks) and set(calls) == {8, 1, len(ids) - 9}
     lean = forwards(model, chunks, False)
     floats = forwards(cats.load_model(SMOLLM2, kernels="aten"), chunks, False)
