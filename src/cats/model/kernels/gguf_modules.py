@@ -117,8 +117,7 @@ def fused_gguf_linear(hidden: torch.Tensor, modules) -> torch.Tensor | None:
     # first rows are tells where all of them are
     key = ([id(m) for m in modules], first.blocks.data_ptr())
     if group is None or group[0] != key:
-        group = (key, quantized.Group([(m.blocks, m.type_code, m.bias) for m in modules], first.columns),
-                 _joined_order(modules))
+        group = (key, _group(modules), _joined_order(modules))
         GROUPS[first] = group
     out = quantized.linears(hidden, group[1])
     return out if group[2] is None else out.index_select(-1, group[2])
@@ -134,11 +133,14 @@ def layer_groups(linears) -> tuple | None:
     q, k, v, o, gate, up, down = linears
     if any(module.order is not None for module in (v, o, gate, up, down)):
         return None
-    group = lambda modules: quantized.Group([(m.blocks, m.type_code, m.bias) for m in modules],  # noqa: E731
-                                            modules[0].columns)
     qk_order = _joined_order((q, k))
-    return (group((q, k, v)), group((o,)), group((gate, up)), group((down,)),
+    return (_group((q, k, v)), _group((o,)), _group((gate, up)), _group((down,)),
             None if qk_order is None else qk_order.contiguous())
+
+
+def _group(modules) -> quantized.Group:
+    """``modules`` (`GGUFLinear`\ s of one input width) as one `quantized.Group`, in their stored row order."""
+    return quantized.Group([(m.blocks, m.type_code, m.bias) for m in modules], modules[0].columns)
 
 
 def _joined_order(modules) -> torch.Tensor | None:

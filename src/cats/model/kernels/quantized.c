@@ -505,8 +505,8 @@ static int block_values(int type) {
   }
 }
 
-/* X's rows quantised for blocks of `block` values (256 or 32), into room `quantise_room` allocated: the row records
- * point into *q and *floats (which the caller frees with the returned array). NULL if out of memory. */
+/* Room for M rows of K values quantised (by `quantise_row`, for blocks of 256 or 32 values): the row records point
+ * into *q and *floats (which the caller frees with the returned array). NULL if out of memory. */
 static acts* quantise_room(long M, long K, int8_t** q, float** floats) {
   long padded = (K + 63) / 64 * 64, per = padded / 32 + 2; /* 32-value blocks per row, with room for a pair */
   long stride = per * 8 + per * 2 + per * 2 + per;          /* lanes, sums16, sums32 (or per-block d), d */
@@ -542,7 +542,7 @@ struct cats_group {
 /* Y[M, sum N] = the group's linears on X[M, K] side by side (linear i in columns offset_i .. offset_i + N_i - 1):
  * Y[m, offset_i + n] = X[m] . W_i[n] (+ bias_i[n]). X is quantised once per block size. Called by every thread of
  * an OpenMP team with the same arguments (or outside a parallel region: a team of one); the team quantises X's rows
- * and then shares the rows of W, in chunks of 16, and returns together. Returns 0, -1 for a type or a K these
+ * and then shares the rows of W, in chunks of 16; Y is complete for every thread when it returns. Returns 0, -1 for a type or a K these
  * kernels do not take (K a multiple of each type's block), -2 if out of memory (this thread's share is then
  * missing: callers combine every thread's result). */
 int cats_quantized_team(const struct cats_group* g, const float* X, float* Y, long M) {
@@ -593,9 +593,8 @@ int cats_quantized_team(const struct cats_group* g, const float* X, float* Y, lo
     }
     failed |= !scratch;
     free(scratch);
-  }
-#pragma omp barrier
-#pragma omp single
+  } /* (the loop over chunks ends with the team's barrier: every row of Y is written, the quantised rows unused) */
+#pragma omp single nowait
   {
     free(rows32); free(q32); free(f32);
     free(rows256); free(q256); free(f256);
