@@ -2,7 +2,7 @@
 shapes of Qwen2.5-Coder-1.5B Q4_K_M (an MLP up-projection, its down-projection, the lm_head) and SmolLM2-135M Q4_1,
 fastest of repeated calls, and the weight bytes streamed per second at one token.
 
-    python benchmarks/quantized_kernels.py --threads 2 --isa avx512 avx2
+    python benchmarks/quantized_kernels.py --threads 2 --isa avx512 amx avx2
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from cats.model.kernels import quantized
 
-SHAPES = [("Q4_K", 8960, 1536, "Qwen 1.5B gate/up"), ("Q6_K", 1536, 8960, "Qwen 1.5B down"),
+SHAPES = [("Q4_K", 8960, 1536, "Qwen 1.5B gate/up"), ("Q4_K", 1536, 8960, "Qwen 1.5B down"),
+          ("Q6_K", 1536, 8960, "Qwen 1.5B down"),
           ("Q6_K", 151936, 1536, "Qwen 1.5B lm_head"), ("Q4_1", 1536, 576, "SmolLM2 gate/up"),
           ("Q8_0", 49152, 576, "SmolLM2 lm_head")]
 

@@ -108,18 +108,41 @@ def test_a_tokens_output_does_not_depend_on_the_others(path, name):
 
 
 def test_the_paths_agree_closely():
-    """The AVX-512 and AVX2 builds compute the same products (summation orders differ: last bits only)."""
+    """The AVX-512, AMX and AVX2 builds compute the same products (summation orders differ: last bits only)."""
     if any(quantized.choose(isa)[0] is None for isa in quantized.ISAS):
-        pytest.skip("both paths must run here")
+        pytest.skip("every path must run here")
     rng = np.random.default_rng(3)
-    raw, _ = random_tensor("Q4_K", 16, 512, rng)
-    x = rng.standard_normal((4, 512)).astype(np.float32)
+    raw, _ = random_tensor("Q4_K", 32, 512, rng)
+    x = rng.standard_normal((12, 512)).astype(np.float32)
     outs = []
     for isa in quantized.ISAS:
         quantized.use(isa)
         outs.append(run(x, raw, "Q4_K"))
     quantized.use(None)
-    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    for out in outs[1:]:
+        np.testing.assert_allclose(out, outs[0], rtol=0, atol=2e-6 * np.abs(outs[0]).max())
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K"])
+def test_the_tiles_give_each_token_what_the_vectors_give_it_alone(name):
+    """The AMX build: 8 or more tokens on 16-row chunks go through the tiles, fewer through the vectors; a token's
+    output is the same bits either way, for every chunk and every count of tokens."""
+    if quantized.choose("amx")[0] is None:
+        pytest.skip(f"the amx kernels do not run here: {quantized.choose('amx')[1]}")
+    quantized.use("amx")
+    try:
+        rng = np.random.default_rng(5)
+        raw, weights = random_tensor(name, 48, 1024, rng)
+        x = rng.standard_normal((20, 1024)).astype(np.float32)
+        together = run(x, raw, name)
+        reference = rounded_activations(x, 256) @ weights.T
+        np.testing.assert_allclose(together, reference, rtol=0, atol=2e-6 * np.abs(reference).max())
+        for count in (8, 9, 16, 17):
+            assert np.array_equal(run(x[:count], raw, name), together[:count])
+        for row in range(20):
+            assert np.array_equal(run(x[row:row + 1], raw, name)[0], together[row])
+    finally:
+        quantized.use(None)
 
 
 def test_a_row_length_off_the_block_is_refused(path):

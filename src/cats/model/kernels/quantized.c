@@ -441,6 +441,185 @@ static void rows_blocks(int type, int block, const uint8_t* W, long row_bytes, l
   }
 }
 
+#ifdef CATS_AMX
+/* ------------------------------------------------------------------------------- k-quants, 16 rows at a time */
+/* The AMX build (``-DCATS_AMX``) takes k-quant rows 16 at a time, and each block's share of an output as one exact
+ * integer (weights x activations x sub-block scales) scaled in float: out = sum over blocks, in order, of
+ * fma(sum_b, d_b * d_x, .), minus the offsets' terms. Few tokens run on the vectors (each row's int32 lanes summed
+ * across the 16 rows at once); 4 or more (Q4_K, Q5_K) on the tiles: a weight tile is 16 rows x 64 values, each
+ * value times the low 3 bits of its sub-block's scale (l) in one tile and times the high 3 (h) in another (both
+ * fit a byte: q <= 31, l, h <= 7), against up to 16 tokens' activations, so sum = C_l + 8 C_h. The integer sums
+ * are exact and the float steps the same on both, so a token's output does not depend on which ran it. Q6_K's
+ * signed 8-bit scales do not split so: its rows stay on the vectors. */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define TILE_TOKENS 8 /* fewest tokens worth the tiles (below, the vectors) */
+
+/* Linux lends the tile registers to a process that asks (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); until it
+ * has, a tile instruction traps. 1 once granted, -1 if refused (the vectors then take every row). */
+static int tiles_granted(void) {
+  static volatile int state = 0;
+  if (state == 0) state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+  return state > 0;
+}
+
+static void tiles_on(void) { /* 8 tiles of 16 rows x 64 bytes, this thread's */
+  struct {
+    uint8_t palette, start, reserved[14];
+    uint16_t bytes[16];
+    uint8_t rows[16];
+  } config;
+  memset(&config, 0, sizeof config);
+  config.palette = 1;
+  for (int i = 0; i < 8; i++) config.bytes[i] = 64, config.rows[i] = 16;
+  _tile_loadconfig(&config);
+}
+
+static inline int tiled(int type, long M) { return (type == Q4_K || type == Q5_K) && M >= TILE_TOKENS; }
+
+/* lanes r = the sum of the 16 int32 lanes of v[r], for r < 16 */
+static inline __m512i sum_each(const __m512i* v) {
+  __m512i pairs[8], quads[4];
+  for (int i = 0; i < 8; i++)
+    pairs[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                                _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; i++)
+    quads[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(pairs[2 * i], pairs[2 * i + 1]),
+                                _mm512_unpackhi_epi64(pairs[2 * i], pairs[2 * i + 1]));
+  __m512i a = _mm512_add_epi32(_mm512_shuffle_i32x4(quads[0], quads[1], 0x88), _mm512_shuffle_i32x4(quads[0], quads[1], 0xdd));
+  __m512i b = _mm512_add_epi32(_mm512_shuffle_i32x4(quads[2], quads[3], 0x88), _mm512_shuffle_i32x4(quads[2], quads[3], 0xdd));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xdd));
+}
+
+/* Each thread's room for `rows16`: the 16 rows' offsets, float sums, int32 lanes and weight / result tiles */
+typedef struct {
+  float *offsets, *acc, *d; /* d: per block, the 16 rows' d */
+  __m512i* lanes;           /* per block, token and row: the int32 lanes of its sum */
+  uint8_t* weights; /* 8 tiles: l then h, per 64 values of a block */
+  int32_t* results; /* 2 tiles: C_l, C_h */
+} room16;
+
+/* The activations as tiles, for every 16 tokens g, block b and 64 values u: row i holds values 4i .. 4i + 3 of each
+ * token side by side (the layout the tile product takes), zero past the last token; scales[g][b][t] = d_x. */
+typedef struct {
+  int8_t* tiles;
+  float* scales;
+  long groups;
+} tokens16;
+
+static int tokens_as_tiles(const acts* X, long M, long K, tokens16* out) {
+  long blocks = K / 256, groups = (M + 15) / 16;
+  out->groups = groups;
+  out->tiles = aligned_alloc(64, (size_t)(groups * blocks * 4 * 1024));
+  out->scales = calloc((size_t)(groups * blocks * 16), sizeof(float));
+  return out->tiles && out->scales;
+}
+
+static void fill_tokens(const acts* X, long M, long K, const tokens16* out, long g, long b) {
+  long blocks = K / 256;
+  for (int u = 0; u < 4; u++) {
+    int8_t* tile = out->tiles + ((g * blocks + b) * 4 + u) * 1024;
+    memset(tile, 0, 1024);
+    for (long t = 0; t < 16 && g * 16 + t < M; t++)
+      for (int i = 0; i < 16; i++) memcpy(tile + 64 * i + 4 * t, X[g * 16 + t].q + b * 256 + 64 * u + 4 * i, 4);
+  }
+  for (long t = 0; t < 16 && g * 16 + t < M; t++) out->scales[(g * blocks + b) * 16 + t] = X[g * 16 + t].d[b];
+}
+
+/* Rows n0 .. n1 - 1 (at most 16) of a k-quant tensor against every token, into Y (see the section's comment) */
+static void rows16(int type, const uint8_t* W, long row_bytes, long n0, long n1, const acts* X, long M, long K,
+                   const float* bias, float* Y, long N, const room16* room, const tokens16* tokens) {
+  long blocks = K / 256, per = type == Q6_K ? 16 : 8, rows = n1 - n0;
+  long block_bytes = type == Q4_K ? 144 : type == Q5_K ? 176 : 210;
+  float d[16] __attribute__((aligned(64)));
+  v64 w[4], scale[4];
+  if (rows == 16 && tiled(type, M) && tokens && tokens->tiles) {
+    memset(room->acc, 0, sizeof(float) * 16 * (size_t)(tokens->groups * 16));
+    for (long b = 0; b < blocks; b++) {
+      for (long r = 0; r < 16; r++) {
+        const uint8_t* p = W + (n0 + r) * row_bytes + b * block_bytes;
+        prefetch_ahead(p, block_bytes);
+        d[r] = decode_k(type, p, w, scale, room->offsets + r * blocks * per + b * per);
+        for (int u = 0; u < 4; u++) {
+          __m512i low = _mm512_and_si512(scale[u], _mm512_set1_epi16(7)), high = _mm512_srli_epi16(scale[u], 3);
+          _mm512_store_si512(room->weights + u * 1024 + r * 64, _mm512_mullo_epi16(w[u], low));
+          _mm512_store_si512(room->weights + (4 + u) * 1024 + r * 64, _mm512_mullo_epi16(w[u], high));
+        }
+      }
+      for (long g = 0; g < tokens->groups; g++) {
+        const int8_t* B = tokens->tiles + (g * blocks + b) * 4 * 1024;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int u = 0; u < 4; u++) {
+          _tile_loadd(2, room->weights + u * 1024, 64);
+          _tile_loadd(3, room->weights + (4 + u) * 1024, 64);
+          _tile_loadd(4, B + u * 1024, 64);
+          _tile_dpbusd(0, 2, 4);
+          _tile_dpbusd(1, 3, 4);
+        }
+        _tile_stored(0, room->results, 64);
+        _tile_stored(1, room->results + 256, 64);
+        __m512 dx = _mm512_loadu_ps(tokens->scales + (g * blocks + b) * 16);
+        for (long r = 0; r < 16; r++) { /* lanes: tokens g * 16 .. */
+          __m512i sum = _mm512_add_epi32(_mm512_load_si512(room->results + 16 * r),
+                                         _mm512_slli_epi32(_mm512_load_si512(room->results + 256 + 16 * r), 3));
+          float* acc = room->acc + (r * tokens->groups + g) * 16;
+          _mm512_store_ps(acc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(_mm512_set1_ps(d[r]), dx),
+                                               _mm512_load_ps(acc)));
+        }
+      }
+    }
+    for (long r = 0; r < 16; r++)
+      for (long m = 0; m < M; m++) {
+        float out = room->acc[r * tokens->groups * 16 + m] -
+                    dot_floats(room->offsets + r * blocks * per, X[m].sums32, blocks * per);
+        Y[m * N + n0 + r] = bias ? out + bias[n0 + r] : out;
+      }
+    return;
+  }
+  for (long m0 = 0; m0 < M;) { /* the vectors: T tokens at a time, row by row; then each block's 16 rows' sums */
+    long T = M - m0 >= 4 ? 4 : M - m0;
+    for (long r = 0; r < 16; r++) {
+      if (r >= rows) {
+        for (long i = 0; i < blocks * T; i++) room->lanes[i * 16 + r] = _mm512_setzero_si512();
+        for (long b = 0; b < blocks; b++) room->d[b * 16 + r] = 0.0f;
+        continue;
+      }
+      const uint8_t* row = W + (n0 + r) * row_bytes;
+      for (long b = 0; b < blocks; b++) {
+        prefetch_ahead(row + b * block_bytes, block_bytes);
+        room->d[b * 16 + r] = decode_k(type, row + b * block_bytes, w, scale, room->offsets + r * blocks * per + b * per);
+        for (long t = 0; t < T; t++) {
+          const int8_t* x = X[m0 + t].q + b * 256;
+          v64 sums = zero64();
+          for (int u = 0; u < 4; u++) sums = dot16(sums, maddubs(w[u], load64(x + 64 * u)), scale[u]);
+          room->lanes[(b * T + t) * 16 + r] = sums;
+        }
+      }
+    }
+    __m512 acc[4];
+    for (long t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    for (long b = 0; b < blocks; b++) {
+      __m512 dw = _mm512_load_ps(room->d + b * 16);
+      for (long t = 0; t < T; t++)
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_each(room->lanes + (b * T + t) * 16)),
+                                 _mm512_mul_ps(dw, _mm512_set1_ps(X[m0 + t].d[b])), acc[t]);
+    }
+    for (long t = 0; t < T; t++) {
+      float sums[16];
+      _mm512_storeu_ps(sums, acc[t]);
+      for (long r = 0; r < rows; r++) {
+        float out = sums[r] - dot_floats(room->offsets + r * blocks * per,
+                                         type == Q6_K ? X[m0 + t].sums16 : X[m0 + t].sums32, blocks * per);
+        Y[(m0 + t) * N + n0 + r] = bias ? out + bias[n0 + r] : out;
+      }
+    }
+    m0 += T;
+  }
+}
+#endif
+
 /* --------------------------------------------------------------------------------------- F32, F16, BF16 */
 static inline vf load_floats(int type, const uint8_t* row, long k) {
 #ifdef WIDE
@@ -573,6 +752,35 @@ int cats_quantized_team(const struct cats_group* g, const float* X, float* Y, lo
     }
     long padded = (K + 63) / 64 * 64;
     float* scratch = malloc(sizeof(float) * (size_t)(padded / 16 + 16)); /* a row's offsets */
+#ifdef CATS_AMX
+    int tiles = 0; /* whether some linear here takes the tiles (every thread sees the same) */
+    for (int i = 0; i < g->count; i++) tiles |= tiled(g->types[i], M);
+    tiles = tiles && rows256 && tiles_granted();
+    tokens16 tokens = {NULL, NULL, 0};
+    if (tiles) {
+      int ready = 1;
+#pragma omp single copyprivate(tokens, ready)
+      ready = tokens_as_tiles(rows256, M, K, &tokens);
+      if (ready) {
+#pragma omp for schedule(static)
+        for (long gb = 0; gb < tokens.groups * (K / 256); gb++)
+          fill_tokens(rows256, M, K, &tokens, gb / (K / 256), gb % (K / 256));
+        tiles_on();
+      } else {
+        tiles = 0; /* out of memory for the tiles: the vectors take every row (the same sums) */
+      }
+    }
+    long groups = (M + 15) / 16;
+    room16 room = {malloc(sizeof(float) * (size_t)(16 * (K / 256 + 1) * 16)),
+                   aligned_alloc(64, sizeof(float) * (size_t)(16 * groups * 16)),
+                   aligned_alloc(64, sizeof(float) * (size_t)(16 * (K / 256 + 1))),
+                   aligned_alloc(64, 64 * (size_t)(16 * 4 * (K / 256 + 1))), aligned_alloc(64, 8 * 1024),
+                   aligned_alloc(64, 2 * 1024)};
+    if (!room.offsets || !room.acc || !room.d || !room.lanes || !room.weights || !room.results) {
+      free(scratch);
+      scratch = NULL;
+    }
+#endif
 #pragma omp for schedule(static)
     for (long c = 0; c < chunks; c++) {
       long first = c, offset = 0; /* chunk c: linear i, rows n0 .. n1 - 1 */
@@ -587,12 +795,26 @@ int cats_quantized_team(const struct cats_group* g, const float* X, float* Y, lo
       if (!scratch) continue;
       if (block == 1)
         rows_float(g->types[i], g->W[i], g->row_bytes[i], n0, n1, X, M, K, g->biases[i], Y + offset, total);
+#ifdef CATS_AMX
+      else if (g->types[i] == Q4_K || g->types[i] == Q5_K)
+        rows16(g->types[i], g->W[i], g->row_bytes[i], n0, n1, rows256, M, K, g->biases[i], Y + offset, total, &room,
+               tiles ? &tokens : NULL);
+#endif
       else
         rows_blocks(g->types[i], block, g->W[i], g->row_bytes[i], n0, n1, block == 32 ? rows32 : rows256, M, K,
                     g->biases[i], Y + offset, total, scratch);
     }
     failed |= !scratch;
     free(scratch);
+#ifdef CATS_AMX
+    if (tiles) _tile_release();
+    free(room.offsets); free(room.acc); free(room.d); free(room.lanes); free(room.weights); free(room.results);
+#pragma omp single nowait /* (after the chunks' barrier: no thread reads the tokens' tiles any more) */
+    {
+      free(tokens.tiles);
+      free(tokens.scales);
+    }
+#endif
   } /* (the loop over chunks ends with the team's barrier: every row of Y is written, the quantised rows unused) */
 #pragma omp single nowait
   {
@@ -642,10 +864,26 @@ int cats_quantized_probe(void) {
     long K = block == 256 ? 256 : 64;
     if (cats_quantized_linear(types[i], weights, 420, x, NULL, y, 2, 2, K, 1)) return -1;
   }
+#ifdef CATS_AMX
+  /* the tiles: granted, and each token's outputs those the vectors give it alone */
+  if (!tiles_granted()) return -2;
+  static uint8_t rows[16 * 144];
+  static float many[TILE_TOKENS * 256], together[TILE_TOKENS * 16], alone[16];
+  for (int i = 0; i < (int)sizeof(rows); i++) rows[i] = (uint8_t)(i * 13 + 5);
+  for (int i = 0; i < 16; i++) rows[144 * i] = 0x00, rows[144 * i + 1] = 0x20, rows[144 * i + 3] = 0x10;
+  for (int i = 0; i < TILE_TOKENS * 256; i++) many[i] = (float)((i * 7) % 23 - 11) * 0.125f;
+  if (cats_quantized_linear(Q4_K, rows, 144, many, NULL, together, TILE_TOKENS, 16, 256, 1)) return -1;
+  for (int m = 0; m < TILE_TOKENS; m++) {
+    if (cats_quantized_linear(Q4_K, rows, 144, many + 256 * m, NULL, alone, 1, 16, 256, 1)) return -1;
+    if (memcmp(alone, together + 16 * m, sizeof alone)) return -3;
+  }
+#endif
   return 0;
 }
 
-#ifdef WIDE
+#ifdef CATS_AMX
+int cats_quantized_isa(void) { return 1024; }
+#elif defined(WIDE)
 int cats_quantized_isa(void) { return 512; }
 #else
 int cats_quantized_isa(void) { return 256; }

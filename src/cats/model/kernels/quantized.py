@@ -17,12 +17,15 @@ docs/benchmarks.md reports how often greedy answers agree. F16, BF16 and F32 row
 whatever the number of tokens in the call (see ``quantized.c``): speculative decoding on these kernels reproduces
 plain decoding on them bit for bit.
 
-**Instruction sets**: the source is compiled twice, for AVX-512 (BW, VL, VNNI: ``vpdpwssd`` / ``vpdpbusd``) and for
-AVX2 (``vpmaddubsw`` / ``vpmaddwd``), and each build is first run once in a child process, which dies instead of this
-one if the CPU cannot run it (a CPU may list an instruction set it traps on, as AMX does on some virtual machines; no
-AMX path is built). The first build that runs is used; ``CATS_QUANTIZED_ISA=avx512`` or ``avx2`` forces one (tests
-force each). Without a C compiler, off x86-64 Linux, or with ``CATS_KERNELS=0``, `unavailable` says why and GGUF
-files are loaded dequantised instead (`cats.model.source`).
+**Instruction sets**: the source is compiled for AVX-512 (BW, VL, VNNI: ``vpdpwssd`` / ``vpdpbusd``), for AVX2
+(``vpmaddubsw`` / ``vpmaddwd``) and for AMX (AVX-512 plus the tile instructions, ``tdpbusd``), and each build is first
+run once in a child process, which dies instead of this one if the CPU cannot run it (a CPU may list an instruction
+set it traps on). AVX-512, else AVX2, is used unless ``CATS_QUANTIZED_ISA=avx512|amx|avx2`` names one (tests force
+each). The AMX build is opt-in: Linux lends the tile registers to a process only when asked (``arch_prctl``), which
+the build does; its tiles multiply 8 or more tokens' Q4_K / Q5_K rows at once (verifying a large tree, a prompt),
+and to stay row-invariant its vectors then sum each block's lanes across 16 rows, which costs single-token decoding
+a few percent (docs/performance.md has the measurements). Without a C compiler, off x86-64 Linux, or with
+``CATS_KERNELS=0``, `unavailable` says why and GGUF files are loaded dequantised instead (`cats.model.source`).
 """
 from __future__ import annotations
 
@@ -40,10 +43,13 @@ from cats.model.kernels.native import build_library
 
 SOURCE = Path(__file__).with_suffix(".c")
 COMMON = ("-O3", "-mfma", "-mf16c", "-fopenmp", "-Werror=implicit-function-declaration", "-shared", "-fPIC")
-ISAS = {  # instruction set -> its compiler flags, best first
-    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", *COMMON),
+AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", *COMMON)
+ISAS = {  # instruction set -> its compiler flags
+    "avx512": AVX512,
+    "amx": (*AVX512, "-mamx-tile", "-mamx-int8", "-DCATS_AMX"),
     "avx2": ("-mavx2", *COMMON),
 }
+AUTOMATIC = ("avx512", "avx2")  # tried in this order when none is named (amx only when named: see above)
 TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
          "Q6_K": 14, "BF16": 30}  # ggml's type codes, which GGUF files store
 BLOCK_VALUES = {0: 1, 1: 1, 30: 1, 2: 32, 3: 32, 6: 32, 7: 32, 8: 32, 12: 256, 13: 256, 14: 256}
@@ -105,7 +111,7 @@ def choose(isa: str | None = None) -> tuple[str | None, str | None]:
     if wanted is not None and wanted not in ISAS:
         return None, f"unknown instruction set {wanted!r} (CATS_QUANTIZED_ISA: one of {', '.join(ISAS)})"
     reasons = []
-    for name in [wanted] if wanted else list(ISAS):
+    for name in [wanted] if wanted else AUTOMATIC:
         library, why = _load(name)
         if library is not None:
             return name, None
