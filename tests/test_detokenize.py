@@ -32,6 +32,12 @@ def test_stop_strings_are_held_back_and_cut():
     assert "wonderful" in "".join(deltas[:20])  # a partial match ("wo") is released once it fails
 
 
+def test_a_stop_string_that_a_dropped_space_completes_is_never_sent():
+    detokenizer = IncrementalDetokenizer(CharTokenizer(cleanup=True), stop=[".."])
+    deltas = stream(detokenizer, [ord(c) for c in ". ."])  # decodes to "..": the stop string at the very start
+    assert "".join(deltas) == detokenizer.text() == ""
+
+
 def test_trailing_space_waits_for_the_next_token():
     detokenizer = IncrementalDetokenizer(CharTokenizer(cleanup=True))
     assert [detokenizer.add([ord(c)]) for c in "a ."] == ["a", "", "."]

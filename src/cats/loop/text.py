@@ -41,8 +41,9 @@ class IncrementalDetokenizer:
         if stopped:
             self.stopped = text
             return self._send(text, len(text))
-        stable = min(len(text.rstrip("\ufffd").rstrip()), len(text) - self.holdback)
-        return self._send(text, stable)
+        # Trailing whitespace may still vanish (a decode that drops a space before punctuation), and what stands before
+        # it may then join the next characters into a stop string: the holdback counts from the last visible character.
+        return self._send(text, len(text.rstrip("\ufffd").rstrip()) - self.holdback)
 
     def finish(self) -> str:
         """The rest of the text, after the last tokens."""
