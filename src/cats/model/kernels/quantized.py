@@ -17,14 +17,14 @@ docs/benchmarks.md reports how often greedy answers agree. F16, BF16 and F32 row
 whatever the number of tokens in the call (see ``quantized.c``): speculative decoding on these kernels reproduces
 plain decoding on them bit for bit.
 
-**Instruction sets**: the source is compiled for AVX-512 (BW, VL, VNNI: ``vpdpwssd`` / ``vpdpbusd``), for AVX2
-(``vpmaddubsw`` / ``vpmaddwd``) and for AMX (AVX-512 plus the tile instructions, ``tdpbusd``), and each build is first
-run once in a child process, which dies instead of this one if the CPU cannot run it (a CPU may list an instruction
-set it traps on). AVX-512, else AVX2, is used unless ``CATS_QUANTIZED_ISA=avx512|amx|avx2`` names one (tests force
-each). The AMX build is opt-in: Linux lends the tile registers to a process only when asked (``arch_prctl``), which
-the build does; its tiles multiply 8 or more tokens' Q4_K / Q5_K rows at once (verifying a large tree, a prompt),
-and to stay row-invariant its vectors then sum each block's lanes across 16 rows, which costs single-token decoding
-a few percent (docs/performance.md has the measurements). Without a C compiler, off x86-64 Linux, or with
+**Instruction sets**: the source is compiled for AMX (AVX-512 plus the tile instructions, ``tdpbusd``), for AVX-512
+(BW, VL, VNNI: ``vpdpwssd`` / ``vpdpbusd``) and for AVX2 (``vpmaddubsw`` / ``vpmaddwd``), and each build is first run
+once in a child process, which dies instead of this one if the CPU cannot run it (a CPU may list an instruction set
+it traps on). The first build that runs, in that order, is used; ``CATS_QUANTIZED_ISA=amx|avx512|avx2`` forces one
+(tests force each). Linux lends the tile registers to a process only when asked (``arch_prctl``), which the AMX build
+does (its check fails where the request is refused); its tiles multiply 8 or more tokens' Q4_K / Q5_K rows at once
+(prompts, large verifications), and to stay row-invariant its vectors then sum each k-quant block's lanes to one
+integer (docs/performance.md has the measurements). Without a C compiler, off x86-64 Linux, or with
 ``CATS_KERNELS=0``, `unavailable` says why and GGUF files are loaded dequantised instead (`cats.model.source`).
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ ISAS = {  # instruction set -> its compiler flags
     "amx": (*AVX512, "-mamx-tile", "-mamx-int8", "-DCATS_AMX"),
     "avx2": ("-mavx2", *COMMON),
 }
-AUTOMATIC = ("avx512", "avx2")  # tried in this order when none is named (amx only when named: see above)
+AUTOMATIC = ("amx", "avx512", "avx2")  # tried in this order when none is named
 TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
          "Q6_K": 14, "BF16": 30}  # ggml's type codes, which GGUF files store
 BLOCK_VALUES = {0: 1, 1: 1, 30: 1, 2: 32, 3: 32, 6: 32, 7: 32, 8: 32, 12: 256, 13: 256, 14: 256}
