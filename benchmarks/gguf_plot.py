@@ -37,7 +37,7 @@ def main() -> None:
     axis.set_xticks(range(len(methods)), methods, rotation=20)
     axis.set_ylabel("tokens/s (2 threads, greedy)")
     axis.set_yscale("log")
-    axis.legend()
+    axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=2, frameon=False)
     figure.tight_layout()
     figure.savefig(args.out, dpi=120)
 
