@@ -159,7 +159,7 @@ class LayeredModel:
 
     @property
     def kernel_path(self) -> str:
-        """What the linears run on, for reports: ``gguf-blocks/avx512`` (or ``avx2``), ``packed/avx512``,
+        """What the linears run on, for reports: ``gguf-blocks/amx`` (or ``avx512``, ``avx2``), ``packed/avx512``,
         ``packed/onednn`` or ``aten``."""
         if self._gguf:
             return kernel_path()
