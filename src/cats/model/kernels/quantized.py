@@ -23,7 +23,7 @@ once in a child process, which dies instead of this one if the CPU cannot run it
 it traps on). The first build that runs, in that order, is used; ``CATS_QUANTIZED_ISA=amx|avx512|avx2`` forces one
 (tests force each). Linux lends the tile registers to a process only when asked (``arch_prctl``), which the AMX build
 does (its check fails where the request is refused); its tiles multiply 8 or more tokens' Q4_K / Q5_K rows at once
-(prompts, large verifications), and to stay row-invariant its vectors then sum each k-quant block's lanes to one
+(prompts, large verifications), and to stay row-invariant its vectors then sum each of those blocks' lanes to one
 integer (docs/performance.md has the measurements). Without a C compiler, off x86-64 Linux, or with
 ``CATS_KERNELS=0``, `unavailable` says why and GGUF files are loaded dequantised instead (`cats.model.source`).
 """
