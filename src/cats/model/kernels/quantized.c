@@ -3,8 +3,9 @@
  * F32), read in place from the memory-mapped file. Built and loaded by cats/model/kernels/quantized.py, which says
  * why they exist and how they are used.
  *
- * The same source is compiled twice: for AVX-512 (BW, VL, VNNI) and for AVX2; quantized.py runs each once in a child
- * process before using it (a CPU may list an instruction set it cannot run).
+ * The same source is compiled three times: for AVX-512 (BW, VL, VNNI), for AMX (the same plus the tile instructions,
+ * -DCATS_AMX: see the section on 16 rows at a time) and for AVX2; quantized.py runs each once in a child process
+ * before using it (a CPU may list an instruction set it cannot run).
  *
  * Activations: for the block-quantised types each row of X is first quantised to 8 bits, as llama.cpp does: in
  * blocks of 256 values with one float scale each (the k-quants; plus the sums of every 16 quantised values), or of
