@@ -3,6 +3,7 @@ gguf-py's dequantisation with the activations rounded as the kernels round them,
 
 from __future__ import annotations
 
+import ctypes
 import zlib
 
 import numpy as np
@@ -123,6 +124,13 @@ def test_the_paths_agree_closely():
         np.testing.assert_allclose(out, outs[0], rtol=0, atol=2e-6 * np.abs(outs[0]).max())
 
 
+def _tiles_granted() -> bool:
+    """Whether this process holds the AMX tile registers (arch_prctl ARCH_GET_XCOMP_PERM, bit XFEATURE_XTILEDATA)."""
+    bits = ctypes.c_ulong(0)
+    ctypes.CDLL(None).syscall(158, 0x1022, ctypes.byref(bits))  # SYS_arch_prctl on x86-64
+    return bool(bits.value & (1 << 18))
+
+
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K"])
 def test_the_tiles_give_each_token_what_the_vectors_give_it_alone(name):
     """The AMX build: 8 or more tokens on 16-row chunks go through the tiles, fewer through the vectors; a token's
@@ -137,6 +145,7 @@ def test_the_tiles_give_each_token_what_the_vectors_give_it_alone(name):
         together = run(x, raw, name)
         reference = rounded_activations(x, 256) @ weights.T
         np.testing.assert_allclose(together, reference, rtol=0, atol=2e-6 * np.abs(reference).max())
+        assert _tiles_granted()  # the tiles ran: Linux lent this process the tile registers
         for count in (8, 9, 16, 17):
             assert np.array_equal(run(x[:count], raw, name), together[:count])
         for row in range(20):
