@@ -509,7 +509,8 @@ typedef struct {
   long groups;
 } tokens16;
 
-static int tokens_as_tiles(const acts* X, long M, long K, tokens16* out) {
+/* Room for the tiles of M tokens' rows of K values: 1 if allocated */
+static int tokens_as_tiles(long M, long K, tokens16* out) {
   long blocks = K / 256, groups = (M + 15) / 16;
   out->groups = groups;
   out->tiles = aligned_alloc(64, (size_t)(groups * blocks * 4 * 1024));
@@ -761,7 +762,7 @@ int cats_quantized_team(const struct cats_group* g, const float* X, float* Y, lo
     if (tiles) {
       int ready = 1;
 #pragma omp single copyprivate(tokens, ready)
-      ready = tokens_as_tiles(rows256, M, K, &tokens);
+      ready = tokens_as_tiles(M, K, &tokens);
       if (ready) {
 #pragma omp for schedule(static)
         for (long gb = 0; gb < tokens.groups * (K / 256); gb++)
