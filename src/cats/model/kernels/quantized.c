@@ -447,11 +447,11 @@ static void rows_blocks(int type, int block, const uint8_t* W, long row_bytes, l
 /* The AMX build (``-DCATS_AMX``) takes k-quant rows 16 at a time, and each block's share of an output as one exact
  * integer (weights x activations x sub-block scales) scaled in float: out = sum over blocks, in order, of
  * fma(sum_b, d_b * d_x, .), minus the offsets' terms. Few tokens run on the vectors (each row's int32 lanes summed
- * across the 16 rows at once); 4 or more (Q4_K, Q5_K) on the tiles: a weight tile is 16 rows x 64 values, each
+ * across the 16 rows at once); 8 or more on the tiles: a weight tile is 16 rows x 64 values, each
  * value times the low 3 bits of its sub-block's scale (l) in one tile and times the high 3 (h) in another (both
  * fit a byte: q <= 31, l, h <= 7), against up to 16 tokens' activations, so sum = C_l + 8 C_h. The integer sums
- * are exact and the float steps the same on both, so a token's output does not depend on which ran it. Q6_K's
- * signed 8-bit scales do not split so: its rows stay on the vectors. */
+ * are exact and the float steps the same on both, so a token's output does not depend on which ran it. Only Q4_K
+ * and Q5_K rows come here: Q6_K's signed 8-bit scales do not split so, and its rows stay on `rows_blocks`. */
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -477,7 +477,8 @@ static void tiles_on(void) { /* 8 tiles of 16 rows x 64 bytes, this thread's */
   _tile_loadconfig(&config);
 }
 
-static inline int tiled(int type, long M) { return (type == Q4_K || type == Q5_K) && M >= TILE_TOKENS; }
+static inline int split_scales(int type) { return type == Q4_K || type == Q5_K; } /* the rows `rows16` takes */
+static inline int tiled(int type, long M) { return split_scales(type) && M >= TILE_TOKENS; }
 
 /* lanes r = the sum of the 16 int32 lanes of v[r], for r < 16 */
 static inline __m512i sum_each(const __m512i* v) {
@@ -529,11 +530,11 @@ static void fill_tokens(const acts* X, long M, long K, const tokens16* out, long
   for (long t = 0; t < 16 && g * 16 + t < M; t++) out->scales[(g * blocks + b) * 16 + t] = X[g * 16 + t].d[b];
 }
 
-/* Rows n0 .. n1 - 1 (at most 16) of a k-quant tensor against every token, into Y (see the section's comment) */
+/* Rows n0 .. n1 - 1 (at most 16) of a Q4_K or Q5_K tensor against every token, into Y (see the section's comment) */
 static void rows16(int type, const uint8_t* W, long row_bytes, long n0, long n1, const acts* X, long M, long K,
                    const float* bias, float* Y, long N, const room16* room, const tokens16* tokens) {
-  long blocks = K / 256, per = type == Q6_K ? 16 : 8, rows = n1 - n0;
-  long block_bytes = type == Q4_K ? 144 : type == Q5_K ? 176 : 210;
+  long blocks = K / 256, per = 8, rows = n1 - n0; /* per: offsets per block (one per 32 values) */
+  long block_bytes = type == Q4_K ? 144 : 176;
   float d[16] __attribute__((aligned(64)));
   v64 w[4], scale[4];
   if (rows == 16 && tiled(type, M) && tokens && tokens->tiles) {
@@ -612,8 +613,7 @@ static void rows16(int type, const uint8_t* W, long row_bytes, long n0, long n1,
       float sums[16];
       _mm512_storeu_ps(sums, acc[t]);
       for (long r = 0; r < rows; r++) {
-        float out = sums[r] - dot_floats(room->offsets + r * blocks * per,
-                                         type == Q6_K ? X[m0 + t].sums16 : X[m0 + t].sums32, blocks * per);
+        float out = sums[r] - dot_floats(room->offsets + r * blocks * per, X[m0 + t].sums32, blocks * per);
         Y[(m0 + t) * N + n0 + r] = bias ? out + bias[n0 + r] : out;
       }
     }
@@ -755,8 +755,8 @@ int cats_quantized_team(const struct cats_group* g, const float* X, float* Y, lo
     long padded = (K + 63) / 64 * 64;
     float* scratch = malloc(sizeof(float) * (size_t)(padded / 16 + 16)); /* a row's offsets */
 #ifdef CATS_AMX
-    int tiles = 0; /* whether some linear here takes the tiles (every thread sees the same) */
-    for (int i = 0; i < g->count; i++) tiles |= tiled(g->types[i], M);
+    int split = 0, tiles = 0; /* whether some linear here takes `rows16`, and the tiles (every thread: the same) */
+    for (int i = 0; i < g->count; i++) split |= split_scales(g->types[i]), tiles |= tiled(g->types[i], M);
     tiles = tiles && rows256 && tiles_granted();
     tokens16 tokens = {NULL, NULL, 0};
     if (tiles) {
@@ -773,12 +773,14 @@ int cats_quantized_team(const struct cats_group* g, const float* X, float* Y, lo
       }
     }
     long groups = (M + 15) / 16;
-    room16 room = {malloc(sizeof(float) * (size_t)(16 * (K / 256 + 1) * 16)),
-                   aligned_alloc(64, sizeof(float) * (size_t)(16 * groups * 16)),
-                   aligned_alloc(64, sizeof(float) * (size_t)(16 * (K / 256 + 1))),
-                   aligned_alloc(64, 64 * (size_t)(16 * 4 * (K / 256 + 1))), aligned_alloc(64, 8 * 1024),
-                   aligned_alloc(64, 2 * 1024)};
-    if (!room.offsets || !room.acc || !room.d || !room.lanes || !room.weights || !room.results) {
+    room16 room = {NULL, NULL, NULL, NULL, NULL, NULL};
+    if (split)
+      room = (room16){malloc(sizeof(float) * (size_t)(16 * (K / 256 + 1) * 8)),
+                      aligned_alloc(64, sizeof(float) * (size_t)(16 * groups * 16)),
+                      aligned_alloc(64, sizeof(float) * (size_t)(16 * (K / 256 + 1))),
+                      aligned_alloc(64, 64 * (size_t)(16 * 4 * (K / 256 + 1))), aligned_alloc(64, 8 * 1024),
+                      aligned_alloc(64, 2 * 1024)};
+    if (split && (!room.offsets || !room.acc || !room.d || !room.lanes || !room.weights || !room.results)) {
       free(scratch);
       scratch = NULL;
     }
@@ -798,7 +800,7 @@ int cats_quantized_team(const struct cats_group* g, const float* X, float* Y, lo
       if (block == 1)
         rows_float(g->types[i], g->W[i], g->row_bytes[i], n0, n1, X, M, K, g->biases[i], Y + offset, total);
 #ifdef CATS_AMX
-      else if (g->types[i] == Q4_K || g->types[i] == Q5_K)
+      else if (split_scales(g->types[i]))
         rows16(g->types[i], g->W[i], g->row_bytes[i], n0, n1, rows256, M, K, g->biases[i], Y + offset, total, &room,
                tiles ? &tokens : NULL);
 #endif
