@@ -185,6 +185,26 @@ def test_attention_of_a_query_ignores_hidden_keys_bit_for_bit(dtype):
         assert torch.equal(alone[0, 0], together[0, t])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_beyond_one_kernel_call_runs_in_chunks_that_change_no_bit(dtype):
+    """150 causal queries (chunks of 64, 64 and 22): each gets exactly what it gets alone over the keys it sees; a
+    mask that shows a query a later new token cannot be chunked, and says so."""
+    needs(dtype)
+    queries, keys = 150, 170
+    query, key, value = attention_case(dtype, 4, 2, queries, keys, 64, seed=7)
+    visible = torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)
+    mask = torch.zeros(queries, keys).masked_fill(~visible, torch.finfo(dtype).min)
+    assert queries > 2 * avx512.ATTENTION_QUERY_LIMIT and avx512.attention_usable(query, key, mask)
+    together = avx512.attention(query, key, value, mask, 0.125)
+    for t in (0, 63, 64, 100, 149):
+        seen = keys - queries + t + 1
+        alone = avx512.attention(query[:, :, t:t + 1], key[:, :, :seen], value[:, :, :seen], None, 0.125)
+        assert torch.equal(alone[0, 0], together[0, t])
+    mask[3, keys - 1] = 0.0  # query 3 would see the last new token
+    with pytest.raises(ValueError, match="see later new tokens"):
+        avx512.attention(query, key, value, mask, 0.125)
+
+
 @torch.no_grad()
 def test_packed_bf16_speculation_reproduces_packed_plain_decoding_bit_for_bit():
     """With row-invariant linears and attention, a bf16 token's logits are the same bits whether its forward carries

@@ -127,10 +127,11 @@ def test_fused_layer_follows_a_changed_weight_and_falls_back_where_it_cannot_run
     original = avx512.layer
     avx512.layer = lambda *args: (calls.append(args[1].shape[1]), original(*args))[1]
     try:
-        long = run(model, True, [ids[:5], ids[5:70]])[1]  # 65 tokens: above ATTENTION_QUERY_LIMIT, the lean forward
+        long = run(model, True, [ids[:5], ids[5:70]])[1]  # 65 tokens: above ATTENTION_QUERY_LIMIT, in two calls
     finally:
         avx512.layer = original
-    assert 65 not in calls
+    assert set(calls) == {5, avx512.ATTENTION_QUERY_LIMIT, 1}  # the prompt, then the 65 tokens in two calls
+    assert torch.equal(long, torch.cat(run(model, True, [ids[:5]] + [ids[i:i + 1] for i in range(5, 70)])[1:]))
     torch.testing.assert_close(long, run(model, False, [ids[:5], ids[5:70]])[1], atol=1e-5, rtol=1e-5)
     lean.unpack_linears(model)
     assert model.layers[0] not in lean.LAYER_SPECS

@@ -12,6 +12,7 @@ from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorPr
 import cats
 from cats.config import GenerationConfig
 from cats.draft import PromptLookupDrafter, TreeDrafter
+from cats.draft.recycle import TokenRecyclingDrafter
 from cats.errors import InvalidArgumentError
 from cats.loop.generator import Generator
 from cats.model import gguf_model
@@ -158,12 +159,34 @@ def test_speculation_reproduces_plain_decoding_on_each_kernel_path(smollm2_block
     try:
         prompt = encode_prompt(smollm2_blocks, "List three uses of a paperclip.", chat=True)
         plain = Generator(smollm2_blocks).generate(prompt, GenerationConfig(max_new_tokens=32)).token_ids
+        recycle = TokenRecyclingDrafter(smollm2_blocks.vocab_size, total_tokens=80, depth=8)  # verifications of
+        # up to 81 tokens: beyond the kernels' 64 queries a call, so run in chunks
+        sizes, propose = [], recycle.propose
+        recycle.propose = lambda state, most: (lambda p: (sizes.append(p.num_tokens), p)[1])(propose(state, most))
         for drafter in (PromptLookupDrafter(num_tokens=6), TreeDrafter(smollm2_blocks, layer=8, tree_topk=3,
-                                                                        total_tokens=9, depth=3)):
+                                                                        total_tokens=9, depth=3), recycle):
             speculative = Generator(smollm2_blocks, drafter).generate(prompt, GenerationConfig(max_new_tokens=32))
             assert speculative.token_ids == plain, (isa, type(drafter).__name__)
+        assert max(sizes) > avx512.ATTENTION_QUERY_LIMIT
     finally:
         quantized.use(None)
+
+
+@needs(SMOLLM2)
+@torch.no_grad()
+def test_a_forward_of_more_tokens_than_a_kernel_call_takes_gives_each_what_decoding_gives_it(smollm2_blocks):
+    """70 tokens in one forward (chunks of 64 queries on the whole-layer kernel) against the same tokens decoded one
+    at a time: bit for bit, so a large verification reproduces plain decoding."""
+    if avx512.unavailable(torch.float32) is not None:
+        pytest.skip(f"AVX-512 attention kernel: {avx512.unavailable(torch.float32)}")
+    ids = torch.randint(3, smollm2_blocks.vocab_size, (75,), generator=torch.Generator().manual_seed(0))
+    cache = smollm2_blocks.new_cache()
+    smollm2_blocks.forward(ids[:5], cache)
+    together = smollm2_blocks.forward(ids[5:], cache)
+    cache = smollm2_blocks.new_cache()
+    smollm2_blocks.forward(ids[:5], cache)
+    alone = torch.cat([smollm2_blocks.forward(ids[i:i + 1], cache) for i in range(5, 75)])
+    assert together.shape[0] > avx512.ATTENTION_QUERY_LIMIT and torch.equal(together, alone)
 
 
 def test_a_streamed_layer_dequantises_to_meta_linears_for_an_adapter_to_fill():

@@ -15,7 +15,6 @@ import torch
 from cats.errors import UnsupportedArchitectureError
 from cats.model.cache import KVCache
 from cats.model.kernels import avx512
-from cats.model.kernels.avx512 import ATTENTION_QUERY_LIMIT
 from cats.model.kernels.gguf_modules import GGUFEmbedding, GGUFLinear, kernel_path
 from cats.model.kernels.layer_forward import (
     exact_attention_default,
@@ -243,7 +242,7 @@ class LayeredModel:
         weights = self.weights
         fused = {}  # per attention kind: whether the whole-layer kernel runs this forward
         if ((self.packed or self._gguf) and self.lean and not self.exact_attention
-                and num_new <= ATTENTION_QUERY_LIMIT and any(self._fused_layers[start:end])):
+                and any(self._fused_layers[start:end])):
             hidden = hidden.clone(memory_format=torch.contiguous_format)  # it works in place: not on the caller's
             fused = {kind: fused_ready(hidden, masks[kind], rotary[kind], self._fused_head_dim) for kind in kinds}
         for i in range(start, end):

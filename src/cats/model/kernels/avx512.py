@@ -170,16 +170,30 @@ def usable(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)))
 
 
-ATTENTION_QUERY_LIMIT = 64  # the attention kernel serves forwards of up to this many tokens (decode steps, drafts and
-# verifications); longer ones (prompts) keep SDPA, whose blocked GEMMs scale better with many queries
+ATTENTION_QUERY_LIMIT = 64  # queries per call of the attention and whole-layer kernels: a longer forward (a prompt, a
+# large verification) runs in chunks of this many, so a token's result never depends on how many share its forward
+
+
+def query_chunks(length: int, keys: int, mask: torch.Tensor | None):
+    """``(first, last, seen)`` for each chunk of at most `ATTENTION_QUERY_LIMIT` of ``length`` new queries whose K/V
+    are the last ``length`` of ``keys`` slots: queries ``first .. last - 1`` see the first ``seen`` slots (the new
+    tokens up to ``last - 1`` and everything before them). A mask (``[length, keys]``, additive) that lets a query see
+    a later new token cannot be split so: ValueError."""
+    for first in range(0, length, ATTENTION_QUERY_LIMIT):
+        last = min(first + ATTENTION_QUERY_LIMIT, length)
+        seen = keys - length + last
+        if seen < keys and mask is not None and bool((mask[first:last, seen:] > -1e30).any()):
+            raise ValueError(f"the attention mask lets queries {first}..{last - 1} see later new tokens: only causal "
+                             f"and tree masks (a token after its ancestors) run in chunks of {ATTENTION_QUERY_LIMIT}")
+        yield first, last, seen
 
 
 def attention_usable(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> bool:
     """Whether `attention` can run ``query`` ``[1, Hq, T, D]`` over ``key`` ``[1, Hk, S, D]`` here: CPU, one
-    sequence, T <= `ATTENTION_QUERY_LIMIT`, D a multiple of 32 up to 256 (bf16) or of 16 (float32), rows contiguous,
+    sequence, D a multiple of 32 up to 256 (bf16) or of 16 (float32), rows contiguous,
     a mask (or none only for one query), the kernels available for the dtype."""
     batch, heads, length, dim = query.shape
-    return (batch == 1 and 1 <= length <= ATTENTION_QUERY_LIMIT and query.is_cpu and query.dtype == key.dtype
+    return (batch == 1 and 1 <= length and query.is_cpu and query.dtype == key.dtype
             and dim <= 256 and dim % (32 if query.dtype == torch.bfloat16 else 16) == 0 and heads % key.shape[1] == 0
             and query.stride(-1) == 1 and key.stride(-1) == 1 and (mask is not None or length == 1)
             and _ready(query.dtype))
@@ -190,7 +204,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     """``softmax(scale * q k^T + mask) v`` for ``query`` ``[1, Hq, T, D]`` over ``key`` / ``value`` ``[1, Hk, S, D]``
     (grouped-query: head h reads KV head ``h // (Hq / Hk)``), ``mask`` float32 ``[T, S]`` (additive; values below
     -1e30 hide a key) or None (every key visible); returns ``[1, T, Hq * D]``, the layout the output projection
-    reads. Row-invariant (see ``avx512.c``); check `attention_usable` first."""
+    reads. The queries' K/V are the last T keys; more than `ATTENTION_QUERY_LIMIT` queries run in chunks
+    (`query_chunks`). Row-invariant (see ``avx512.c``); check `attention_usable` first."""
     kernel = _kernel("attention", query.dtype)
     _, heads, length, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
@@ -200,9 +215,11 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     if mask is not None and (mask.dtype != torch.float32 or mask.stride(-1) != 1):
         mask = mask.to(torch.float32).contiguous()
     out = query.new_empty(1, length, heads * dim)
-    kernel(query.data_ptr(), query.stride(1), query.stride(2), key.data_ptr(), value.data_ptr(), key.stride(1),
-           key.stride(2), None if mask is None else mask.data_ptr(), 0 if mask is None else mask.stride(0),
-           out.data_ptr(), heads, kv_heads, length, keys, dim, scale, torch.get_num_threads())
+    for first, last, seen in query_chunks(length, keys, mask):
+        kernel(query[:, :, first].data_ptr(), query.stride(1), query.stride(2), key.data_ptr(), value.data_ptr(),
+               key.stride(1), key.stride(2), None if mask is None else mask[first].data_ptr(),
+               0 if mask is None else mask.stride(0), out[:, first].data_ptr(), heads, kv_heads, last - first, seen,
+               dim, scale, torch.get_num_threads())
     return out
 
 
@@ -233,7 +250,7 @@ _SCRATCH = threading.local()  # per thread: one byte buffer for the layer's inte
 def layer(spec: LayerSpec, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
           values: torch.Tensor, past: int, mask: torch.Tensor | None) -> None:
     """One decoder layer (``spec``) on ``hidden`` ``[1, T, H]`` (contiguous; updated in place), T <=
-    `ATTENTION_QUERY_LIMIT`: the new tokens' K/V go to slots ``past .. past + T - 1`` of the layer's cache buffers
+    `ATTENTION_QUERY_LIMIT` (`query_chunks` splits longer forwards): the new tokens' K/V go to slots ``past .. past + T - 1`` of the layer's cache buffers
     ``keys``/``values`` ``[1, Hk, capacity, D]`` (contiguous, room checked by the caller), and attention reads slots
     ``[0, past + T)`` under ``mask`` (float32 ``[T, past + T]``, or None for one query that sees every slot).
     ``cos``/``sin``: the rotary tables ``[1, T, D]`` in the model's dtype, contiguous. Same linears and attention as

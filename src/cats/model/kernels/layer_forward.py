@@ -188,8 +188,8 @@ def lean_layer_forward(layer: nn.Module, hidden: torch.Tensor, attention_mask: t
     ``cache`` (a transformers cache) at the layer's index. ``attention_mask`` is the additive float mask
     ``[B, 1, T, P + T]`` or None (every slot visible), ``position_embeddings`` the model's rotary (cos, sin).
     ``pack_queries=False`` keeps transformers' own attention call for few queries too (its exact rounding).
-    ``kernels=True`` (a packed model) runs attention for up to `avx512.ATTENTION_QUERY_LIMIT` queries on the
-    row-invariant AVX-512 kernel where it runs (not with ``pack_queries=False``)."""
+    ``kernels=True`` (a packed model) runs attention on the row-invariant AVX-512 kernel where it runs (not with
+    ``pack_queries=False``), `avx512.ATTENTION_QUERY_LIMIT` queries at a time."""
     attention, mlp = layer.self_attn, layer.mlp
     batch, length, _ = hidden.shape
     dim = attention.head_dim
@@ -345,11 +345,11 @@ def _layer_spec(layer: nn.Module, dtype: torch.dtype):
 def fused_ready(hidden: torch.Tensor, attention_mask: torch.Tensor | None,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor], head_dim: int) -> bool:
     """Whether `fused_layer_forward` can run a forward of ``hidden`` ``[1, T, H]`` here (checked once per forward):
-    T up to `avx512.ATTENTION_QUERY_LIMIT`, one sequence, contiguous, a rotary over the whole head in the model's
+    one sequence, contiguous, a rotary over the whole head in the model's
     dtype, a mask unless T is 1, no autograd, the kernels built for the dtype (bf16: head size a multiple of 32)."""
     batch, length, _ = hidden.shape
     cos = position_embeddings[0]
-    return (batch == 1 and length <= avx512.ATTENTION_QUERY_LIMIT and cos.shape[-1] == head_dim
+    return (batch == 1 and cos.shape[-1] == head_dim
             and hidden.is_contiguous() and (attention_mask is not None or length == 1)
             and not torch.is_grad_enabled() and cos.dtype == hidden.dtype
             and not (head_dim % 32 and hidden.dtype == torch.bfloat16) and avx512.layer_ready(hidden.dtype))
@@ -367,6 +367,9 @@ def fused_layer_forward(layer: nn.Module, hidden: torch.Tensor, attention_mask: 
     slot = cache.layers[layer.self_attn.layer_idx]
     keys, values, past = slot.reserve(length, spec.Hk, spec.D, hidden.dtype)
     cos, sin = position_embeddings
-    avx512.layer(spec, hidden, cos, sin, keys, values, past, _float_mask(attention_mask))
+    mask = _float_mask(attention_mask)
+    for first, last, seen in avx512.query_chunks(length, past + length, mask):  # later chunks read earlier ones' K/V
+        avx512.layer(spec, hidden[:, first:last], cos[:, first:last], sin[:, first:last], keys, values, past + first,
+                     None if mask is None else mask[first:last, :seen])
     slot._set_length(past + length)
     return True
