@@ -3,6 +3,7 @@ with known acceptance and latency, losslessness on every family, the method, and
 
 from __future__ import annotations
 
+import gc
 import itertools
 import random
 
@@ -16,6 +17,7 @@ from cats.draft.base import DecodeState, Drafter, Proposal
 from cats.draft.dytc.estimates import AcceptanceEstimate, LatencyModel, WindowedAverage, expected_accepted, match_class
 from cats.draft.dytc.scheduler import DraftOption, DyTCDrafter
 from cats.draft.dytc.hindsight import TREE_SIZES, HindsightRecord, HindsightYield, best_cut
+from cats.draft.dytc import cost
 from cats.draft.dytc.cost import CostShape, VerifyCost, measure_shape
 from cats.draft.prompt_lookup import LookupMatch
 from cats.errors import InvalidArgumentError
@@ -107,6 +109,25 @@ def test_measure_shape_times_every_size_on_the_model():
     assert shape.tokens == (1, 2, 4) and shape.context == 8
     assert shape.seconds == (1.0, 1.0, 1.0)  # each timed call reads the clock twice: one tick per forward
     assert shape.measure_s > 0
+
+
+def test_the_shape_is_measured_once_per_model_and_thread_count(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cost, "measure_shape", lambda model: calls.append(id(model)) or CostShape.flat())
+    first, second = tiny_model("llama"), tiny_model("llama")
+    threads = torch.get_num_threads()
+    try:
+        assert cost.measured_shape(first) is cost.measured_shape(first)  # a second drafter for the same model
+        cost.measured_shape(second)
+        torch.set_num_threads(1 if threads > 1 else 2)
+        cost.measured_shape(first)  # another thread count: another forward time
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == [id(first), id(second), id(first)]
+    number = id(second)
+    del second
+    gc.collect()
+    assert number not in cost._MEASURED  # a model's measurements go with it
 
 
 def test_hindsight_records_score_every_cut_once_decided():

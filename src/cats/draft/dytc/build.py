@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cats.draft.dytc.cost import measure_shape, streamed_shape
+from cats.draft.dytc.cost import measured_shape, streamed_shape
 from cats.draft.dytc.hindsight import TREE_SIZES
 from cats.draft.dytc.scheduler import DraftOption, DyTCDrafter
 from cats.draft.eagle import FeatureDrafter, FeatureDrafterView
@@ -101,9 +101,10 @@ def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max
         options.append(DraftOption(f"{core.name}-chain", FeatureDrafterView(core, 1, limit, limit), limit, prior, cost))
         options.append(DraftOption(core.name, FeatureDrafterView(core, tree_topk, total_tokens, depth), total_tokens,
                                    prior, cost * expanded, tree=True))
-    # the verification cost's shape in n, measured now (~0.8 s for SmolLM2); for layers streamed from disk, the read
-    # time or the compute, whichever is longer (measuring whole forwards would stream every layer 30 times)
-    shape = measure_shape(model) if getattr(model, "weights", None) is None else streamed_shape(model)
+    # the verification cost's shape in n, measured once per model in memory (~0.8 s for SmolLM2); for layers streamed
+    # from disk, the read time or the compute, whichever is longer (measuring whole forwards would stream every layer
+    # 30 times)
+    shape = measured_shape(model) if getattr(model, "weights", None) is None else streamed_shape(model)
     return DyTCDrafter(options, lookup=lookup, lookahead_tokens=lookahead_tokens, features=core, verify_shape=shape)
 
 
