@@ -162,7 +162,13 @@ def test_speculation_reproduces_plain_decoding_on_each_kernel_path(smollm2_block
         recycle = TokenRecyclingDrafter(smollm2_blocks.vocab_size, total_tokens=80, depth=8)  # verifications of
         # up to 81 tokens: beyond the kernels' 64 queries a call, so run in chunks
         sizes, propose = [], recycle.propose
-        recycle.propose = lambda state, most: (lambda p: (sizes.append(p.num_tokens), p)[1])(propose(state, most))
+
+        def recorded(state, most):
+            proposal = propose(state, most)
+            sizes.append(proposal.num_tokens)
+            return proposal
+
+        recycle.propose = recorded
         for drafter in (PromptLookupDrafter(num_tokens=6), TreeDrafter(smollm2_blocks, layer=8, tree_topk=3,
                                                                         total_tokens=9, depth=3), recycle):
             speculative = Generator(smollm2_blocks, drafter).generate(prompt, GenerationConfig(max_new_tokens=32))

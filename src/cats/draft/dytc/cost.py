@@ -7,7 +7,8 @@ Spec-Bench questions the online fit ended at 102 ms for 16 tokens, where 16 toke
 lookup's chains to 7 tokens in long copies that `pld` verified 10 at a time.
 
 So the curve's *shape* in n is measured up front (`measure_shape`, once per model in memory, `measured_shape`:
-SmolLM2-135M bf16 takes ~0.8 s, Qwen2.5-Coder-1.5B Q4_K_M 3.4 s): a forward plus the head over n = 1..32 tokens after a short context, the fastest of two runs per size.
+SmolLM2-135M bf16 takes ~0.8 s, Qwen2.5-Coder-1.5B Q4_K_M 3.4 s): a forward plus the head over n = 1..32 tokens
+after a short context, the fastest of two runs per size.
 Online, `VerifyCost` fits by recursive least squares with forgetting only what the shape cannot know:
 
     seconds(n, T) = s1 * (a * shape(n) + b + c * n * dT + d * dT),    dT = (T - T0) / 1000
@@ -128,7 +129,8 @@ def measure_shape(model, sizes: Sequence[int] = CALIBRATION_SIZES, context: int 
     return CostShape.of(best, context, clock() - began)
 
 
-_MEASURED: dict[int, tuple[weakref.ref, dict]] = {}  # id(model) -> (the model, {(threads, kernel path): CostShape})
+_MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model.hf_model -> {(threads, kernel path):
+# CostShape} (the model itself is not hashable; its entry goes with its weights)
 
 
 def measured_shape(model) -> CostShape:
@@ -136,10 +138,7 @@ def measured_shape(model) -> CostShape:
     drafter made for the same model in memory reuses it (Qwen2.5-Coder-1.5B Q4_K_M: 3.4 s a measurement on 2 cores,
     which every `generate` call with ``method="dytc"`` paid)."""
     key = (torch.get_num_threads(), getattr(model, "kernel_path", None))
-    entry = _MEASURED.get(id(model))
-    if entry is None or entry[0]() is not model:  # (models are not hashable; a dead model's entry goes with it)
-        entry = _MEASURED[id(model)] = (weakref.ref(model, lambda _, number=id(model): _MEASURED.pop(number, None)), {})
-    shapes = entry[1]
+    shapes = _MEASURED.setdefault(model.hf_model, {})
     if key not in shapes:
         shapes[key] = measure_shape(model)
     return shapes[key]

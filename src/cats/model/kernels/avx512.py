@@ -250,9 +250,10 @@ _SCRATCH = threading.local()  # per thread: one byte buffer for the layer's inte
 def layer(spec: LayerSpec, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
           values: torch.Tensor, past: int, mask: torch.Tensor | None) -> None:
     """One decoder layer (``spec``) on ``hidden`` ``[1, T, H]`` (contiguous; updated in place), T <=
-    `ATTENTION_QUERY_LIMIT` (`query_chunks` splits longer forwards): the new tokens' K/V go to slots ``past .. past + T - 1`` of the layer's cache buffers
-    ``keys``/``values`` ``[1, Hk, capacity, D]`` (contiguous, room checked by the caller), and attention reads slots
-    ``[0, past + T)`` under ``mask`` (float32 ``[T, past + T]``, or None for one query that sees every slot).
+    `ATTENTION_QUERY_LIMIT` (`query_chunks` splits longer forwards): the new tokens' K/V go to slots
+    ``past .. past + T - 1`` of the layer's cache buffers ``keys``/``values`` ``[1, Hk, capacity, D]`` (contiguous,
+    room checked by the caller), and attention reads slots ``[0, past + T)`` under ``mask`` (float32
+    ``[T, past + T]``, or None for one query that sees every slot).
     ``cos``/``sin``: the rotary tables ``[1, T, D]`` in the model's dtype, contiguous. Same linears and attention as
     `linear` and `attention`, so row-invariant alike (see ``avx512.c``)."""
     library = _STATE["library"]

@@ -489,8 +489,10 @@ static inline __m512i sum_each(const __m512i* v) {
   for (int i = 0; i < 4; i++)
     quads[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(pairs[2 * i], pairs[2 * i + 1]),
                                 _mm512_unpackhi_epi64(pairs[2 * i], pairs[2 * i + 1]));
-  __m512i a = _mm512_add_epi32(_mm512_shuffle_i32x4(quads[0], quads[1], 0x88), _mm512_shuffle_i32x4(quads[0], quads[1], 0xdd));
-  __m512i b = _mm512_add_epi32(_mm512_shuffle_i32x4(quads[2], quads[3], 0x88), _mm512_shuffle_i32x4(quads[2], quads[3], 0xdd));
+  __m512i a = _mm512_add_epi32(_mm512_shuffle_i32x4(quads[0], quads[1], 0x88),
+                               _mm512_shuffle_i32x4(quads[0], quads[1], 0xdd));
+  __m512i b = _mm512_add_epi32(_mm512_shuffle_i32x4(quads[2], quads[3], 0x88),
+                               _mm512_shuffle_i32x4(quads[2], quads[3], 0xdd));
   return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xdd));
 }
 
@@ -592,7 +594,8 @@ static void rows16(int type, const uint8_t* W, long row_bytes, long n0, long n1,
       const uint8_t* row = W + (n0 + r) * row_bytes;
       for (long b = 0; b < blocks; b++) {
         prefetch_ahead(row + b * block_bytes, block_bytes);
-        room->d[b * 16 + r] = decode_k(type, row + b * block_bytes, w, scale, room->offsets + r * blocks * per + b * per);
+        room->d[b * 16 + r] =
+            decode_k(type, row + b * block_bytes, w, scale, room->offsets + r * blocks * per + b * per);
         for (long t = 0; t < T; t++) {
           const int8_t* x = X[m0 + t].q + b * 256;
           v64 sums = zero64();

@@ -44,12 +44,11 @@ from cats.model.kernels.native import build_library
 SOURCE = Path(__file__).with_suffix(".c")
 COMMON = ("-O3", "-mfma", "-mf16c", "-fopenmp", "-Werror=implicit-function-declaration", "-shared", "-fPIC")
 AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", *COMMON)
-ISAS = {  # instruction set -> its compiler flags
-    "avx512": AVX512,
+ISAS = {  # instruction set -> its compiler flags, in the order tried when none is named
     "amx": (*AVX512, "-mamx-tile", "-mamx-int8", "-DCATS_AMX"),
+    "avx512": AVX512,
     "avx2": ("-mavx2", *COMMON),
 }
-AUTOMATIC = ("amx", "avx512", "avx2")  # tried in this order when none is named
 TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
          "Q6_K": 14, "BF16": 30}  # ggml's type codes, which GGUF files store
 BLOCK_VALUES = {0: 1, 1: 1, 30: 1, 2: 32, 3: 32, 6: 32, 7: 32, 8: 32, 12: 256, 13: 256, 14: 256}
@@ -111,7 +110,7 @@ def choose(isa: str | None = None) -> tuple[str | None, str | None]:
     if wanted is not None and wanted not in ISAS:
         return None, f"unknown instruction set {wanted!r} (CATS_QUANTIZED_ISA: one of {', '.join(ISAS)})"
     reasons = []
-    for name in [wanted] if wanted else AUTOMATIC:
+    for name in [wanted] if wanted else list(ISAS):
         library, why = _load(name)
         if library is not None:
             return name, None
