@@ -24,16 +24,16 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from cats.errors import CatsError
 from cats.model.cache import KVCache
+from cats.model.decoder import DecoderMLP, DecoderRMSNorm, DecoderRotaryEmbedding, apply_rotary
 from cats.model.draft_vocabulary import DraftVocabulary
 from cats.model.files import check_safetensors, first_line
 from cats.model.identity import model_identity
@@ -79,12 +79,14 @@ class Eagle3Config:
         if min(self.num_attention_heads, self.num_key_value_heads, self.head_dim, self.intermediate_size) < 1:
             raise Eagle3Error("heads, head_dim and intermediate_size must be positive")
 
-    def llama_config(self) -> LlamaConfig:
-        """The draft layer as a one-layer Llama (what the engines build; also its MLP, norms and rotary here)."""
-        return LlamaConfig(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                           num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-                           head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
-                           vocab_size=self.vocab_size, num_hidden_layers=1, hidden_act="silu")
+    def llama_config(self) -> SimpleNamespace:
+        """The draft layer's settings as a one-layer Llama's config gives them (what the engines build; read by its
+        MLP and rotary embedding here, `cats.model.decoder`)."""
+        return SimpleNamespace(model_type="llama", hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                               num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+                               head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, hidden_act="silu",
+                               attention_bias=False, mlp_bias=False,
+                               rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta})
 
 
 class _Attention(nn.Module):
@@ -107,7 +109,7 @@ class _Attention(nn.Module):
         q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, *rotary)
+        q, k = apply_rotary(q, k, *rotary)
         self.last_kv = (k, v)
         if cache is not None:
             k, v = cache.hf_cache.update(k, v, layer)
@@ -124,11 +126,11 @@ class _MidLayer(nn.Module):
     def __init__(self, config: Eagle3Config):
         super().__init__()
         llama = config.llama_config()
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = DecoderRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = DecoderRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = _Attention(config)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = LlamaMLP(llama)
+        self.post_attention_layernorm = DecoderRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = DecoderMLP(llama)
 
 
 class Eagle3Head(DraftVocabulary, nn.Module):
@@ -150,8 +152,8 @@ class Eagle3Head(DraftVocabulary, nn.Module):
         size = config.hidden_size
         self.fc = nn.Linear(3 * size, size, bias=False)
         self.midlayer = _MidLayer(config)
-        self.norm = LlamaRMSNorm(size, eps=config.rms_norm_eps)
-        self.__dict__["rotary"] = LlamaRotaryEmbedding(config.llama_config())  # no parameters: not in the state
+        self.norm = DecoderRMSNorm(size, eps=config.rms_norm_eps)
+        self.__dict__["rotary"] = DecoderRotaryEmbedding(config.llama_config())  # no parameters: not in the state
         subset = config.vocab_subset
         self.register_buffer("vocab_ids", torch.tensor(subset, dtype=torch.long) if subset else None, persistent=False)
         self._head_rows: torch.Tensor | None = None

@@ -1,5 +1,6 @@
-"""A GGUF model on its own blocks: transformers' model of the file's config, with every linear and the embedding
-replaced by modules that hold the file's rows as stored (memory-mapped, `cats.model.kernels.gguf_modules`) and compute
+"""A GGUF model on its own blocks: the model of the file's config (CATS's own Llama-family decoder,
+`cats.model.decoder`, where it builds it: Llama, Mistral, Qwen2; transformers' class otherwise), with every linear
+and the embedding replaced by modules that hold the file's rows as stored (memory-mapped, `cats.model.kernels.gguf_modules`) and compute
 on them with `cats.model.kernels.quantized`. No float copy of a weight is made, on disk or in memory: the resident
 weight bytes are the file's tensor bytes. Float32 tensors that transformers uses as stored (norms, biases) are views
 of the file too; the few it changes (Gemma's norms) are float32 copies. For Llama-family files, whose q and k rows
@@ -20,12 +21,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from accelerate import init_empty_weights
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
 from cats.errors import DamagedFileError
+from cats.model.decoder import skeleton
 from cats.model.gguf_names import shared_name_maps
 from cats.model.kernels import quantized
 from cats.model.kernels.gguf_modules import GGUFEmbedding, GGUFLinear, file_rows
@@ -151,13 +152,12 @@ def _embedding_scale(module: nn.Embedding) -> float | None:
 
 
 def load_gguf_model(gguf_path: Path, metadata: Path, attn_implementation: str = "sdpa"):
-    """transformers' ``*ForCausalLM`` for the GGUF file ``gguf_path`` (its metadata folder ``metadata``, from
-    `cats.model.source.gguf_metadata`), computing on the file's blocks; check `check_runnable` first."""
+    """The ``*ForCausalLM`` module (`cats.model.decoder.skeleton`) for the GGUF file ``gguf_path`` (its metadata folder ``metadata``,
+    from `cats.model.source.gguf_metadata`), computing on the file's blocks; check `check_runnable` first."""
     config = AutoConfig.from_pretrained(metadata)
     index = tensor_index(metadata)
     file = _File(gguf_path, index)
-    with init_empty_weights(include_buffers=False):  # parameters on the meta device: nothing allocated
-        hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+    hf_model = skeleton(config, attn_implementation)
     processor = TENSOR_PROCESSORS.get(index["architecture"], TensorProcessor)(config=config.to_dict())
     with shared_name_maps():
         to_gguf = {hf: gguf for gguf, hf in get_gguf_hf_weights_map(hf_model, processor).items()}

@@ -1,4 +1,5 @@
-"""A Hugging Face decoder driven layer range by layer range over one shared KV cache.
+"""A decoder driven layer range by layer range over one shared KV cache: transformers' ``*ForCausalLM``, or for a GGUF
+file on its blocks CATS's own Llama-family decoder with the same module names (`cats.model.decoder`).
 
 The math is the model's own: its embedding, decoder layers (attention included), rotary embedding, final norm
 and lm_head modules. This module only decides which layers run on which tokens, at which positions, with which
@@ -85,7 +86,8 @@ class LayeredModel:
     """A loaded target model that runs any layer range ``[start, end)`` on hidden states.
 
     Attributes:
-        hf_model: the transformers ``*ForCausalLM`` module (weights live here, loaded once).
+        hf_model: the ``*ForCausalLM`` module, transformers' or `cats.model.decoder`'s (weights live here, loaded
+            once).
         tokenizer: its tokenizer, with the chat template.
         name: where the model came from (path or Hub id), for reports.
         weights: under a memory budget, the `cats.model.weights.LayerStreamer` that makes streamed layers' parameters

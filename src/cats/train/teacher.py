@@ -57,7 +57,12 @@ def pad_token_id(model) -> int:
 @torch.inference_mode()
 def generate_answers(model, prompts: list[list[int]], max_new_tokens: int, temperature: float,
                      seeds: list[int]) -> list[list[int]]:
-    """Batched ``hf_model.generate`` on left-padded prompts; each answer is cut after its first EOS (inclusive)."""
+    """Batched ``hf_model.generate`` on left-padded prompts; each answer is cut after its first EOS (inclusive). A
+    model without ``generate`` (CATS's own decoder, `cats.model.decoder`: a GGUF file on its blocks) answers one
+    prompt at a time on its own forward (`_answer`): the same tokens, each row's sampling its own either way."""
+    if not hasattr(model.hf_model, "generate"):
+        return [_answer(model, ids, max_new_tokens, SeededSampling([seed], temperature) if temperature > 0 else None)
+                for ids, seed in zip(prompts, seeds)]
     from transformers import LogitsProcessorList
 
     width = max(len(ids) for ids in prompts)
@@ -80,6 +85,20 @@ def generate_answers(model, prompts: list[list[int]], max_new_tokens: int, tempe
         end = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
         answers.append(row[:end])
     return answers
+
+
+def _answer(model, prompt_ids: list[int], max_new_tokens: int, sampling: SeededSampling | None) -> list[int]:
+    """Plain decoding of one answer on the model's forward (greedy, or Gumbel-max under ``sampling``), up to and
+    including its first EOS."""
+    eos, cache, answer = model.eos_token_ids, model.new_cache(), []
+    logits = model.forward(torch.tensor(prompt_ids), cache)[-1:]
+    while len(answer) < max_new_tokens:
+        scores = logits if sampling is None else sampling(None, logits)
+        answer.append(int(scores[0].argmax()))
+        if answer[-1] in eos:
+            break
+        logits = model.forward(torch.tensor(answer[-1:]), cache)[-1:]
+    return answer
 
 
 @torch.inference_mode()

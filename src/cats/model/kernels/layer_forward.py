@@ -36,7 +36,6 @@ import sys
 
 import torch
 from torch import nn
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from cats.model.kernels import avx512, quantized
 from cats.model.kernels.gguf_modules import GGUFLinear, fused_gguf_linear, layer_groups
@@ -50,8 +49,9 @@ from cats.model.kernels.packing import (
 )
 
 # decoder layer classes whose forward is exactly: x + attn(input_layernorm(x)); x + mlp(post_attention_layernorm(x))
+# (``DecoderLayer``: CATS's own Llama-family layer, `cats.model.decoder`)
 LEAN_LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
-                                "Phi3DecoderLayer"})
+                                "Phi3DecoderLayer", "DecoderLayer"})
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
@@ -134,7 +134,8 @@ def _grouped_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 # RMSNorm classes whose forward is exactly Llama's: w * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype)
-LEAN_NORM_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm"})
+LEAN_NORM_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm",
+                               "DecoderRMSNorm"})
 
 
 def _norm(norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -179,6 +180,14 @@ def _float_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     converted = mask[0, 0].to(torch.float32).contiguous()
     _FLOAT_MASK_MEMO[0] = (mask, converted)
     return converted
+
+
+def _attention_function(attention: nn.Module, implementation: str):
+    """What the attention module itself would call: the eager function or the registered ``implementation`` of its
+    modeling file (transformers' files and `cats.model.decoder` name them alike; looked up there, so that this
+    module never imports transformers' modeling code)."""
+    modeling = sys.modules[type(attention).__module__]
+    return modeling.eager_attention_forward if implementation == "eager" else modeling.ALL_ATTENTION_FUNCTIONS[implementation]
 
 
 def lean_layer_forward(layer: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -228,8 +237,7 @@ def lean_layer_forward(layer: nn.Module, hidden: torch.Tensor, attention_mask: t
             scale=attention.scaling)
         out = out.reshape(batch, query.shape[1], length, dim).transpose(1, 2).reshape(batch, length, -1)
     else:
-        attend = (sys.modules[type(attention).__module__].eager_attention_forward if implementation == "eager"
-                  else ALL_ATTENTION_FUNCTIONS[implementation])  # what the module itself would call
+        attend = _attention_function(attention, implementation)
         # (no sliding_window argument: the mask carries the window, and sdpa and eager attention ignore it)
         out, _ = attend(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling)
         out = out.reshape(batch, length, -1)
@@ -252,7 +260,7 @@ def lean_layer_forward(layer: nn.Module, hidden: torch.Tensor, attention_mask: t
 # blocks, a Llama-style layer over a few tokens (decode steps, drafts, verifications) runs as one C function instead
 # of ~40 torch ops and five kernel calls; the linears and attention are the same kernels, so it stays row-invariant.
 
-FUSED_LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"})
+FUSED_LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "DecoderLayer"})
 
 
 def fused_unsupported(layer: nn.Module) -> str | None:

@@ -1,6 +1,7 @@
 """The runtime baseline, measured in a fresh process: ``python -m cats.model.weights.baseline MODEL [THREADS]`` prints
 ``{"peak_rss_mb", "rss_mb", "anonymous_mb"}`` after importing torch, transformers and CATS, reading the tokenizer, building the
-weightless model skeleton and running one small matrix product and attention call (see `cats.model.weights.rss`)."""
+weightless model skeleton (a GGUF file's as its blocks run: `cats.model.decoder.skeleton`) and running one small
+matrix product and attention call (see `cats.model.weights.rss`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 import transformers  # noqa: F401  (imported as every run imports it: part of the baseline)
 from transformers import AutoConfig
 
-from cats.model.source import config_folder, load_tokenizer
+from cats.model.decoder import skeleton
+from cats.model.source import config_folder, gguf_file, load_tokenizer
 from cats.model.weights.offload import build_skeleton
 from cats.model.weights.rss import MIB, anonymous_rss_bytes, current_rss_bytes, peak_rss_bytes, return_freed_memory
 
@@ -19,7 +21,8 @@ from cats.model.weights.rss import MIB, anonymous_rss_bytes, current_rss_bytes, 
 def measure_baseline(model: str, threads: int | None = None) -> dict:
     folder = config_folder(model)  # a GGUF file's metadata folder: no weights converted
     load_tokenizer(model)
-    build_skeleton(AutoConfig.from_pretrained(folder), torch.float32)
+    config = AutoConfig.from_pretrained(folder)
+    skeleton(config) if gguf_file(model) is not None else build_skeleton(config, torch.float32)
     if threads:
         torch.set_num_threads(threads)
     x = torch.randn(1, 4, 64, 64)
