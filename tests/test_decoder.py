@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from cats.draft.layer_skip.drafter import SkipModel, SkipSet
 from cats.model.decoder import DecoderForCausalLM, skeleton, unsupported
 from cats.model.layered import LayeredModel
 from cats.tree import verification_inputs
@@ -54,6 +55,23 @@ def test_the_decoder_computes_what_transformers_classes_compute_bit_for_bit(fami
                 outputs.append(run(model, prompt, nodes, parents))
         for theirs, mine in zip(*outputs):
             assert torch.equal(theirs, mine), (family, implementation, lean)
+
+
+def test_layer_skipping_splits_its_layers_as_transformers_layers():
+    """Layer skipping calls the attention and the MLP of a layer on their own, with transformers' keywords."""
+    config = config_of("qwen2")
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32).eval()
+    ours = DecoderForCausalLM(copy.deepcopy(config)).eval()
+    ours.load_state_dict(reference.state_dict())
+    skip = SkipSet(attention=(1,), mlp=(2,))
+    tokens = torch.tensor([3, 17, 5, 40, 8, 9])
+    outputs = []
+    for hf_model in (reference, ours):
+        model = LayeredModel(hf_model, name="qwen2")
+        with torch.no_grad():
+            outputs.append(SkipModel(model, skip).forward(tokens, model.new_cache(), torch.arange(6)))
+    assert torch.equal(*outputs)
 
 
 def test_its_rotary_embedding_and_training_forward_are_transformers_own():

@@ -136,19 +136,19 @@ class DecoderAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, keys, bias=qkv_bias)
         self.o_proj = nn.Linear(queries, config.hidden_size, bias=o_bias)
 
-    def forward(self, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None, cache=None, **_) -> tuple[torch.Tensor, torch.Tensor | None]:
-        shape = (*hidden.shape[:-1], -1, self.head_dim)
-        query = self.q_proj(hidden).view(shape).transpose(1, 2)
-        key = self.k_proj(hidden).view(shape).transpose(1, 2)
-        value = self.v_proj(hidden).view(shape).transpose(1, 2)
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        key = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
         query, key = apply_rotary(query, key, *position_embeddings)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
         out, weights = attend(self, query, key, value, attention_mask,
                               dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling)
-        return self.o_proj(out.reshape(*hidden.shape[:-1], -1).contiguous()), weights
+        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
 
 
 class DecoderMLP(nn.Module):
@@ -175,11 +175,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = DecoderRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DecoderRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, cache=None,
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, cache=None,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **_) -> torch.Tensor:
-        attended, _ = self.self_attn(self.input_layernorm(hidden), position_embeddings, attention_mask, cache)
-        hidden = hidden + attended
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        """transformers' keywords (``hidden_states``, ``attention_mask``, ``cache``, ``position_embeddings``; the
+        rest it takes are ignored: the mask and the rotary embedding carry the positions)."""
+        attended, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache)
+        hidden_states = hidden_states + attended
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
 class Decoder(nn.Module):
