@@ -21,7 +21,7 @@ from cats.train.data import DataConfig, make_training_data
 from cats.train.folder import TrainingData
 from cats.train.teacher import generate_answers, sample_seed
 from cats.prompts import QUESTIONS, SHAREGPT, read_prompt_file
-from tests.conftest import MT_BENCH, SHARED_DATA, STORIES_HF, needs, tiny_model
+from tests.conftest import MT_BENCH, SHARED_DATA, STORIES_GGUF, STORIES_HF, needs, tiny_model
 from cats.config import GenerationConfig
 
 SHAREGPT_FILE = SHARED_DATA / "sharegpt" / "ShareGPT_V3_filtered_500.json"
@@ -242,6 +242,23 @@ def test_greedy_answers_are_the_targets_own_ar_decoding(model, tmp_path):
         model.hf_model.generation_config.eos_token_id = saved
     assert answers == reference
     assert any(len(a) < 16 for a in answers) and any(len(a) == 16 for a in answers)
+
+
+@needs(STORIES_GGUF)
+def test_a_model_without_generate_answers_on_its_own_forward():
+    """A GGUF file on its blocks runs on CATS's decoder classes, which have no ``generate``: the answers are its
+    plain decoding all the same, and sampled ones are a function of their seeds."""
+    model = cats.load_model(STORIES_GGUF)  # (its file holds no tokenizer CATS reads: the prompts are token ids)
+    assert not hasattr(model.hf_model, "generate")
+    prompts = [[1, 13, 45, 78, 200], [1, 99, 5, 300], [1, 7, 7, 120, 64, 33]]
+    greedy = generate_answers(model, prompts, 12, 0.0, [0] * len(prompts))
+    reference = [cats.generate(model, ids, method="ar", generation=GenerationConfig(max_new_tokens=12)).token_ids
+                 for ids in prompts]
+    assert greedy == reference
+    seeds = [sample_seed(0, p, 0) for p in range(len(prompts))]
+    sampled = generate_answers(model, prompts, 12, 1.0, seeds)
+    assert sampled == [generate_answers(model, [ids], 12, 1.0, [seed])[0] for ids, seed in zip(prompts, seeds)]
+    assert sampled != greedy
 
 
 def test_sampling_is_seeded_per_prompt_and_sample_not_per_batch(model):
