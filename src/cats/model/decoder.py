@@ -1,14 +1,15 @@
 """A Llama-family decoder of our own (Llama, Mistral, Qwen2) for GGUF files that run on their blocks.
 
 Why hand-written: transformers' model classes import ``transformers.modeling_utils``, which pulls in torch.distributed,
-torch._dynamo, scipy and sympy before a weight is read: 2.5 s and about 130 MiB of process memory on 2 cores
-(docs/memory.md). Under a memory limit every MiB the runtime holds is a MiB less for resident layers (28.6 MiB is one
-layer of Qwen2.5-Coder-1.5B Q4_K_M). A GGUF file on its blocks runs its layers on CATS's own kernels
-(`cats.model.kernels.layer_forward`), so these classes are the containers of the file's modules, under transformers'
-module names (``model.layers.3.self_attn.q_proj``: its GGUF name map and CATS's kernels find them as in transformers'
-model), plus the plain forward that runs where no kernel does (training an adapter copied from a layer, a layer the
-lean forward does not take). Every op of that forward, and of the norm and the rotary embedding, is transformers' own,
-in the same order: the tests check the outputs bit for bit against transformers' classes.
+torch._dynamo, scipy and sympy before a weight is read: 2.5 s on 2 cores and about 100 MiB of anonymous memory
+(Qwen2.5-Coder-1.5B's measured runtime: 344 MiB with it, 242 MiB without; docs/memory.md). Under a memory limit
+every MiB the runtime holds is a MiB less for resident layers (28.6 MiB is one layer of Qwen2.5-Coder-1.5B Q4_K_M).
+A GGUF file on its blocks runs its layers on CATS's own kernels (`cats.model.kernels.layer_forward`), so these classes
+are the containers of the file's modules, under transformers' module names (``model.layers.3.self_attn.q_proj``: its
+GGUF name map and CATS's kernels find them as in transformers' model), plus the plain forward that runs where no
+kernel does (training an adapter copied from a layer, layer skipping, a layer the lean forward does not take). Every
+op of that forward, and of the norm and the rotary embedding, is transformers' own, in the same order: the tests
+check the outputs bit for bit against transformers' classes.
 
 Only what transformers' Llama, Mistral and Qwen2 classes do for a causal decode is here (`unsupported` names the rest:
 those configs load transformers' own classes). There is no ``generate``: CATS's decode loop drives the model.
@@ -208,7 +209,8 @@ class DecoderForCausalLM(nn.Module):
         if reason is not None:
             raise ValueError(f"the decoder does not build {reason}; load transformers' own class for it")
         if attn_implementation not in ALL_ATTENTION_FUNCTIONS:
-            raise ValueError(f"attention implementation {attn_implementation!r}: one of {', '.join(ALL_ATTENTION_FUNCTIONS)}")
+            raise ValueError(f"attention implementation {attn_implementation!r}: "
+                             f"one of {', '.join(ALL_ATTENTION_FUNCTIONS)}")
         config._attn_implementation = attn_implementation
         self.config = config
         self.generation_config = GenerationConfig.from_model_config(config)

@@ -82,10 +82,10 @@ class Eagle3Config:
     def llama_config(self) -> SimpleNamespace:
         """The draft layer's settings as a one-layer Llama's config gives them (what the engines build; read by its
         MLP and rotary embedding here, `cats.model.decoder`)."""
-        return SimpleNamespace(model_type="llama", hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                               num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-                               head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, hidden_act="silu",
-                               attention_bias=False, mlp_bias=False,
+        return SimpleNamespace(model_type="llama", hidden_size=self.hidden_size,
+                               intermediate_size=self.intermediate_size, num_attention_heads=self.num_attention_heads,
+                               num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                               rms_norm_eps=self.rms_norm_eps, hidden_act="silu", attention_bias=False, mlp_bias=False,
                                rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta})
 
 

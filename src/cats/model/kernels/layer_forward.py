@@ -187,7 +187,9 @@ def _attention_function(attention: nn.Module, implementation: str):
     modeling file (transformers' files and `cats.model.decoder` name them alike; looked up there, so that this
     module never imports transformers' modeling code)."""
     modeling = sys.modules[type(attention).__module__]
-    return modeling.eager_attention_forward if implementation == "eager" else modeling.ALL_ATTENTION_FUNCTIONS[implementation]
+    if implementation == "eager":
+        return modeling.eager_attention_forward
+    return modeling.ALL_ATTENTION_FUNCTIONS[implementation]
 
 
 def lean_layer_forward(layer: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
