@@ -8,7 +8,7 @@ import torch
 
 from cats.errors import InvalidArgumentError
 from cats.model.weights.budget import (BudgetTooSmallError, MemoryNeeds, PartSizes, kv_cache_bytes, parse_budget, plan_memory)
-from cats.draft.sizing import BUCKETS, choose_bucket
+from cats.draft.sizing import BUCKETS, choose_bucket, streamed_pass_s
 from tests.conftest import tiny_model
 from cats.config import DraftConfig
 from cats.methods import memory_needs
@@ -109,6 +109,15 @@ def test_memory_needs_per_method(tmp_path):
     dytc = memory_needs(config, dtype, "dytc")
     assert dytc.min_resident_layers == 1 and dytc.max_tree_tokens == 16 + 16 + 1  # a lookup chain on a recycling tree
     assert memory_needs(config, dtype, "layer-skip").min_resident_layers == config.num_hidden_layers
+
+
+def test_a_streamed_pass_costs_the_reads_the_pool_cannot_take_ahead_after_the_compute_they_wait_for():
+    # 10 streamed layers read in 1.0 s (0.1 s each) into 3 buffers, 8 resident layers, head 0.05 s
+    assert streamed_pass_s(8, 10, 3, 1.0, 0.01, 0.05) == pytest.approx(1.0)  # the read: 0.7 + 0.08 + 0.05 < 1.0
+    assert streamed_pass_s(8, 10, 3, 1.0, 0.04, 0.05) == pytest.approx(0.7 + 0.32 + 0.05)  # resident compute shows
+    assert streamed_pass_s(8, 10, 3, 1.0, 0.12, 0.05) == pytest.approx(18 * 0.12 + 0.05)  # compute-bound
+    assert streamed_pass_s(8, 2, 3, 0.2, 0.03, 0.05) == pytest.approx(0.3 + 0.05)  # the pool holds both: compute
+    assert streamed_pass_s(8, 0, 3, 0.0, 0.03, 0.05) == pytest.approx(0.24 + 0.05)  # nothing streams
 
 
 def test_choose_bucket_from_io_and_compute():

@@ -19,9 +19,10 @@ about 1 ms per query token and 4 ms per forward per 1000 cached tokens). Every s
 verified, so no size keeps a stale estimate. An observation is clipped to [2/3, 3/2] times the prediction before the
 update: one step descheduled by the OS must not move the curve. Predictions are non-decreasing in n.
 
-A model that streams its deep layers under a memory budget gets `streamed_shape`: a pass costs its read time or its
-compute, whichever is longer (the reader fills the next layers while the current ones compute), so extra tokens are
-free until their compute outgrows the read, and DyTC verifies larger trees there. Without any shape (tests), the
+A model that streams its deep layers under a memory budget gets `streamed_shape` (`cats.draft.sizing.streamed_pass_s`):
+the reader fills the next layers while the current ones compute, but only as many as its buffers hold while the
+resident layers and the head compute, so extra tokens are nearly free only while that compute stays within the
+reads the buffers take ahead, and DyTC verifies larger trees where it does. Without any shape (tests), the
 shape is flat: optimistic for more tokens, and the fit's scale comes from the first observation.
 """
 
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cats.draft.sizing import time_pass
+from cats.draft.sizing import streamed_pass_s, time_layer_and_head
 
 CALIBRATION_SIZES = (1, 2, 4, 6, 8, 10, 12, 16, 32)  # token counts measured (linear in between, and beyond)
 CALIBRATION_CONTEXT = 64  # cached tokens (random) when measuring
@@ -92,12 +93,15 @@ class CostShape:
 
 def streamed_shape(model, sizes: Sequence[int] = CALIBRATION_SIZES, repeats: int = CALIBRATION_REPEATS,
                    clock: Callable[[], float] = time.perf_counter) -> CostShape:
-    """The cost of a pass over ``sizes`` tokens for a model whose deep layers stream: ``max(read, compute(n))``, the
-    read time from the plan's bytes per pass and the reader's measured bandwidth, the compute from layer 0 timed on
-    n tokens times the layers, plus the head (`cats.draft.sizing.time_pass`: no streamed layer is read for it)."""
+    """The cost of a pass over ``sizes`` tokens for a model whose deep layers stream (`streamed_pass_s`): the read
+    time from the plan's bytes per pass and the reader's measured bandwidth, one layer's compute from layer 0 timed on
+    n tokens, and the head's (`cats.draft.sizing.time_layer_and_head`: no streamed layer is read for them)."""
     began = clock()
-    read_s = model.memory_plan.bytes_per_pass / model.weights.wait_for_bandwidth()
-    seconds = {n: max(read_s, time_pass(model, n, repeats=repeats)) for n in sizes}
+    plan = model.memory_plan
+    read_s = plan.bytes_per_pass / model.weights.wait_for_bandwidth()
+    streamed = len(plan.streamed)
+    seconds = {n: streamed_pass_s(plan.resident_layers, streamed, plan.pool_slots, read_s,
+                                  *time_layer_and_head(model, n, repeats=repeats)) for n in sizes}
     return CostShape.of(seconds, context=64, measure_s=clock() - began)
 
 

@@ -82,6 +82,9 @@ class _Slot:
     def __init__(self, size: int):
         self.memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)  # anonymous, page-aligned (as O_DIRECT needs)
         self.buffer = torch.frombuffer(self.memory, dtype=torch.uint8)
+        # its pages made now (the plan holds them anyway): a first read into untouched pages runs at about half the
+        # speed of later ones, and the first reads are the bandwidth the schedulers plan with (`wait_for_bandwidth`)
+        self.buffer.zero_()
         self.state, self.layer, self.generation = FREE, None, 0
         self.parameters: dict[tuple, list[torch.nn.Parameter]] = {}  # layout -> parameter views of this buffer
 
