@@ -110,8 +110,7 @@ def streamed_pass_s(resident: int, streamed: int, buffers: int, read_s: float, l
     (S streamed and R resident layers, P buffers, r one streamed layer's read, c ``layer_s``, h ``head_s``): the
     read alone, the reads the pool cannot take ahead after the compute that cannot overlap them, or the compute
     alone. So extra tokens are nearly free only while the resident layers' and the head's compute over them stays
-    within what the pool reads ahead (Qwen2.5-Coder-1.5B at 914 MiB on AVX-512 without AMX, 13 resident layers: a
-    one-token pass takes its read, 0.28 s; `recycle`'s 17-token passes took 0.38 s on average)."""
+    within what the pool reads ahead (measured shapes: docs/memory.md, "Speculation under a budget")."""
     if streamed <= 0:
         return (resident + streamed) * layer_s + head_s
     per_layer = read_s / streamed

@@ -22,7 +22,10 @@ def measure_baseline(model: str, threads: int | None = None) -> dict:
     folder = config_folder(model)  # a GGUF file's metadata folder: no weights converted
     load_tokenizer(model)
     config = AutoConfig.from_pretrained(folder)
-    skeleton(config) if gguf_file(model) is not None else build_skeleton(config, torch.float32)
+    if gguf_file(model) is not None:
+        skeleton(config)
+    else:
+        build_skeleton(config, torch.float32)
     if threads:
         torch.set_num_threads(threads)
     x = torch.randn(1, 4, 64, 64)
