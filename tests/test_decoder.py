@@ -25,6 +25,18 @@ def config_of(family: str):
     return tiny_config(family)
 
 
+def twins(family: str, implementation: str = "sdpa"):
+    """transformers' model of ``family`` (random weights) and the decoder's with the same state dict, loaded strict:
+    transformers' names, tensor for tensor."""
+    config = config_of(family)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32,
+                                                 attn_implementation=implementation)
+    ours = DecoderForCausalLM(copy.deepcopy(config), implementation)
+    ours.load_state_dict(reference.state_dict(), strict=True)
+    return reference, ours
+
+
 def run(model: LayeredModel, prompt: torch.Tensor, nodes: torch.Tensor, parents: torch.Tensor):
     """Logits of a prompt, then of a token tree after it (a tree mask), and the states after layer 2 of both."""
     cache = model.new_cache()
@@ -37,13 +49,8 @@ def run(model: LayeredModel, prompt: torch.Tensor, nodes: torch.Tensor, parents:
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", ["llama", "llama-biases-llama3", "mistral", "mistral-swa", "qwen2"])
 def test_the_decoder_computes_what_transformers_classes_compute_bit_for_bit(family, implementation):
-    config = config_of(family)
-    assert unsupported(config) is None
-    torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32,
-                                                 attn_implementation=implementation).eval()
-    ours = DecoderForCausalLM(copy.deepcopy(config), implementation).eval()
-    ours.load_state_dict(reference.state_dict(), strict=True)  # transformers' names, tensor for tensor
+    assert unsupported(config_of(family)) is None
+    reference, ours = (model.eval() for model in twins(family, implementation))
     prompt = torch.randint(3, COMMON["vocab_size"], (19,), generator=torch.Generator().manual_seed(1))
     nodes, parents = torch.tensor([5, 9, 7, 11, 13]), torch.tensor([-1, -1, 0, 2, 1])
     for lean in (False, True):  # the modules' own forward, then the lean forward on their parameters
@@ -59,11 +66,7 @@ def test_the_decoder_computes_what_transformers_classes_compute_bit_for_bit(fami
 
 def test_layer_skipping_splits_its_layers_as_transformers_layers():
     """Layer skipping calls the attention and the MLP of a layer on their own, with transformers' keywords."""
-    config = config_of("qwen2")
-    torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32).eval()
-    ours = DecoderForCausalLM(copy.deepcopy(config)).eval()
-    ours.load_state_dict(reference.state_dict())
+    reference, ours = (model.eval() for model in twins("qwen2"))
     skip = SkipSet(attention=(1,), mlp=(2,))
     tokens = torch.tensor([3, 17, 5, 40, 8, 9])
     outputs = []
@@ -75,11 +78,7 @@ def test_layer_skipping_splits_its_layers_as_transformers_layers():
 
 
 def test_its_rotary_embedding_and_training_forward_are_transformers_own():
-    config = config_of("llama-biases-llama3")
-    torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32).train()
-    ours = DecoderForCausalLM(copy.deepcopy(config)).train()
-    ours.load_state_dict(reference.state_dict())
+    reference, ours = (model.train() for model in twins("llama-biases-llama3"))
     positions = torch.arange(40).unsqueeze(0)
     hidden = torch.randn(2, 40, COMMON["hidden_size"])
     for theirs, mine in zip(reference.model.rotary_emb(hidden, positions), ours.model.rotary_emb(hidden, positions)):
