@@ -21,7 +21,7 @@ import torch
 from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 # model_type -> (bias of q/k/v, bias of o, bias of the MLP): as transformers' classes of that family build them
@@ -54,11 +54,7 @@ def unsupported(config) -> str | None:
 def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **_):
     """transformers' eager attention (``repeat_kv``, scores, additive mask, float32 softmax, values)."""
-    groups = module.num_key_value_groups
-    if groups > 1:
-        batch, heads, length, dim = key.shape
-        key = key[:, :, None].expand(batch, heads, groups, length, dim).reshape(batch, heads * groups, length, dim)
-        value = value[:, :, None].expand(batch, heads, groups, length, dim).reshape(batch, heads * groups, length, dim)
+    key, value = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
     weights = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
         weights = weights + attention_mask

@@ -1,6 +1,7 @@
 """A GGUF model on its own blocks: the model of the file's config (CATS's own Llama-family decoder,
 `cats.model.decoder`, where it builds it: Llama, Mistral, Qwen2; transformers' class otherwise), with every linear
-and the embedding replaced by modules that hold the file's rows as stored (memory-mapped, `cats.model.kernels.gguf_modules`) and compute
+and the embedding replaced by modules that hold the file's rows as stored (memory-mapped,
+`cats.model.kernels.gguf_modules`) and compute
 on them with `cats.model.kernels.quantized`. No float copy of a weight is made, on disk or in memory: the resident
 weight bytes are the file's tensor bytes. Float32 tensors that transformers uses as stored (norms, biases) are views
 of the file too; the few it changes (Gemma's norms) are float32 copies. For Llama-family files, whose q and k rows
@@ -152,8 +153,9 @@ def _embedding_scale(module: nn.Embedding) -> float | None:
 
 
 def load_gguf_model(gguf_path: Path, metadata: Path, attn_implementation: str = "sdpa"):
-    """The ``*ForCausalLM`` module (`cats.model.decoder.skeleton`) for the GGUF file ``gguf_path`` (its metadata folder ``metadata``,
-    from `cats.model.source.gguf_metadata`), computing on the file's blocks; check `check_runnable` first."""
+    """The ``*ForCausalLM`` module (`cats.model.decoder.skeleton`) for the GGUF file ``gguf_path`` (its metadata
+    folder ``metadata``, from `cats.model.source.gguf_metadata`), computing on the file's blocks; check
+    `check_runnable` first."""
     config = AutoConfig.from_pretrained(metadata)
     index = tensor_index(metadata)
     file = _File(gguf_path, index)
