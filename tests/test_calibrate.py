@@ -146,3 +146,21 @@ def test_calibrate_command(capsys, tmp_path):
         tokens[method] = json.loads(captured.out.strip().splitlines()[-1])["token_ids"]
     assert tokens["ar"] == tokens["layer-skip"] == tokens["dytc"]
     assert "scheduler: chose" in captured.err
+
+
+@pytest.mark.parametrize("path", sorted(cal.SHIPPED.glob("*.json")), ids=lambda p: p.stem)
+def test_each_shipped_skip_set_file_is_found_by_its_models_fingerprint_and_reads(path):
+    """The skip sets shipped with CATS: named by the fingerprint they hold, in the cache's format, each sparsity's
+    skipped sublayers inside the model and as many as the sparsity asks."""
+    data = json.loads(path.read_text())
+    assert data["format"] == cal.FORMAT
+    assert data["model"]["fingerprint"] == path.stem
+    layers = data["model"]["num_layers"]
+    assert data["skip_sets"]
+    for key, entry in data["skip_sets"].items():
+        result = cal.CalibrationResult.from_dict(entry)
+        assert key == cal._sparsity_key(result.sparsity)
+        result.skip.validate(layers)
+        skipped = len(result.skip.attention) + len(result.skip.mlp)
+        assert skipped == cal.skip_size(result.sparsity, layers)
+        assert 0.0 < result.agreement <= 1.0

@@ -24,8 +24,8 @@ nearly an identity scores ~1 alone), and the local search fixes interactions at 
 
 Cache: ``$CATS_CACHE/skip-sets/<model fingerprint>.json``, written atomically with a CRC-32 of its content
 (`cats.cache_files`: a file that does not match it is removed, with a notice, and calibrated again); where it has
-no entry for a sparsity, the skip sets shipped in ``skip_sets/`` beside this module (the default model's,
-calibrated with the default settings) are used before calibrating. A file holds one entry per sparsity with the
+no entry for a sparsity, the skip sets shipped in ``skip_sets/`` beside this module (the default model's, and
+Qwen2.5-Coder-1.5B-Instruct Q4_K_M's, calibrated with the default settings) are used before calibrating. A file holds one entry per sparsity with the
 settings and prompts digest it was calibrated with; a file made for another fingerprint (`cats.model.identity`) is
 ignored.
 """
