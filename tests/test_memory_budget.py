@@ -120,14 +120,18 @@ def test_a_streamed_pass_costs_the_reads_the_pool_cannot_take_ahead_after_the_co
     assert streamed_pass_s(8, 0, 3, 0.0, 0.03, 0.05) == pytest.approx(0.24 + 0.05)  # nothing streams
 
 
-def test_choose_bucket_from_io_and_compute():
-    tree_compute = {17: 0.05, 33: 0.09, 65: 0.2}
-    assert choose_bucket(0.01, tree_compute) == BUCKETS[0]  # nothing fits: the smallest
-    assert choose_bucket(0.05, tree_compute) == BUCKETS[0]
-    assert choose_bucket(0.1, tree_compute) == BUCKETS[1]
-    assert choose_bucket(0.3, tree_compute) == BUCKETS[2]
-    chain_compute = {5: 0.02, 7: 0.03, 9: 0.5}
-    assert choose_bucket(0.04, chain_compute, chain=True).num_draft_tokens == 6
+def test_choose_bucket_takes_the_largest_pass_that_costs_at_most_a_tenth_more_than_one_token():
+    tree_pass = {1: 1.0, 17: 1.0, 33: 1.1, 65: 1.5}  # read-bound up to 33 tokens, then compute shows
+    assert choose_bucket(tree_pass) == BUCKETS[1]
+    assert choose_bucket({1: 1.0, 17: 1.3, 33: 1.6, 65: 2.0}) == BUCKETS[0]  # none is nearly free: the smallest
+    assert choose_bucket({1: 1.0, 17: 1.0, 33: 1.05, 65: 1.09}) == BUCKETS[2]
+    assert choose_bucket({1: 1.0, 17: 1.05, 33: 1.2}, buckets=BUCKETS[:2]) == BUCKETS[0]  # only those planned
+    chain_pass = {1: 0.5, 5: 0.5, 7: 0.52, 9: 0.6}
+    assert choose_bucket(chain_pass, chain=True).num_draft_tokens == 6
+    # the pass times as `speculation_for` makes them: 10 streamed layers read in 1.0 s, 8 resident, 3 buffers
+    shape = {n: streamed_pass_s(8, 10, 3, 1.0, 0.002 * n, 0.001 * n) for n in (1, 17, 33, 65)}
+    assert shape[17] == pytest.approx(1.0) and shape[33] == pytest.approx(0.7 + 33 * 0.017)  # 1.261: not free
+    assert choose_bucket(shape) == BUCKETS[0]
 
 
 def test_the_budget_caps_the_tree_it_reserves():

@@ -4,11 +4,11 @@ When deep layers stream, every verification pass reads ``plan.bytes_per_pass`` f
 so a pass should verify as many tokens as it can while its compute still hides behind that read. A few fixed
 buckets (tree nodes, depth, children per node, chain length) are compared once, when the drafter is made:
 
-* ``io_s`` = bytes read per pass / the read bandwidth the streamer measured on its first reads;
-* ``compute_s(T)`` = the time of a T-token pass, estimated from one resident layer timed on T tokens (times the
-  number of layers) plus the lm_head on T rows;
-* the largest bucket with ``compute_s(T) <= io_s`` wins (the smallest when none fits): beyond it a bigger tree
-  would make the pass compute-bound and only the acceptance it adds would pay for it;
+* the time of a T-token pass is estimated by `streamed_pass_s`: the read time (bytes read per pass / the read
+  bandwidth the streamer measured on its first reads) against the compute that cannot overlap it, from one resident
+  layer and the lm_head timed on T tokens;
+* the largest bucket whose pass costs at most ``NEARLY_FREE`` more than a one-token pass wins (the smallest when
+  none does): beyond it a bigger tree makes every pass slower and only the acceptance it adds would pay for it;
 * only buckets whose activations the memory plan reserved are candidates: the planner reserves the largest bucket
   that still fits the budget (`cats.model.weights.offload.plan_for`), so a tight budget caps the tree.
 
@@ -56,14 +56,17 @@ BUCKETS = (
 DEFAULT_BUCKET = BUCKETS[0]
 
 
-def choose_bucket(io_s: float, compute_s: Mapping[int, float], chain: bool = False,
+NEARLY_FREE = 0.1  # a bucket's pass may cost this fraction more than a one-token pass
+
+
+def choose_bucket(pass_s: Mapping[int, float], chain: bool = False,
                   buckets: tuple[SpeculationBucket, ...] = BUCKETS) -> SpeculationBucket:
-    """The largest of ``buckets`` whose pass compute (``compute_s[tokens per pass]``) fits in the I/O time of a
-    pass (the smallest when none does)."""
+    """The largest of ``buckets`` whose pass (``pass_s[tokens per pass]``) costs at most ``NEARLY_FREE`` more than a
+    one-token pass (``pass_s[1]``); the smallest when none does."""
     chosen = buckets[0]
     for bucket in buckets:
         tokens = bucket.chain_pass_tokens if chain else bucket.tree_pass_tokens
-        if compute_s[tokens] <= io_s:
+        if pass_s[tokens] <= (1 + NEARLY_FREE) * pass_s[1]:
             chosen = bucket
     return chosen
 
@@ -90,13 +93,6 @@ def time_layer_and_head(model, tokens: int, repeats: int = 3) -> tuple[float, fl
             if layer_s * model.num_layers + head_s < best[0] * model.num_layers + best[1]:
                 best = (layer_s, head_s)
     return best
-
-
-def time_pass(model, tokens: int, repeats: int = 3) -> float:
-    """Estimated seconds of a ``tokens``-token pass over every layer plus the lm_head, all resident
-    (`time_layer_and_head`: one layer's time times the number of layers, plus the head)."""
-    layer_s, head_s = time_layer_and_head(model, tokens, repeats)
-    return layer_s * model.num_layers + head_s
 
 
 def streamed_pass_s(resident: int, streamed: int, buffers: int, read_s: float, layer_s: float, head_s: float) -> float:
@@ -132,13 +128,14 @@ def speculation_for(model, chain: bool = False) -> tuple[SpeculationBucket, dict
     kind = "chain" if chain else (plan.needs.speculation if plan.needs.speculation in ("tree", "cascade") else "tree")
     allowed = tuple(b for b in BUCKETS if pass_tokens(b, kind) <= plan.needs.max_tree_tokens) or BUCKETS[:1]
     bandwidth = weights.wait_for_bandwidth()
-    io_s = plan.bytes_per_pass / bandwidth
-    sizes = sorted({b.chain_pass_tokens if chain else b.tree_pass_tokens for b in allowed})
-    compute_s = {tokens: time_pass(model, tokens) for tokens in sizes}
-    bucket = choose_bucket(io_s, compute_s, chain, allowed)
-    info = {"reason": "largest bucket whose pass compute fits in the pass's read time", "buckets_planned": len(allowed),
-            "io_s_per_pass": round(io_s, 4),
-            "read_mb_per_s": round(bandwidth / 2**20, 1), "compute_s": {str(k): round(v, 4) for k, v in compute_s.items()},
+    read_s = plan.bytes_per_pass / bandwidth
+    sizes = sorted({1} | {b.chain_pass_tokens if chain else b.tree_pass_tokens for b in allowed})
+    pass_s = {tokens: streamed_pass_s(plan.resident_layers, len(plan.streamed), plan.pool_slots, read_s,
+                                      *time_layer_and_head(model, tokens)) for tokens in sizes}
+    bucket = choose_bucket(pass_s, chain, allowed)
+    info = {"reason": f"largest bucket whose pass costs at most {NEARLY_FREE:.0%} more than a one-token pass",
+            "buckets_planned": len(allowed), "io_s_per_pass": round(read_s, 4),
+            "read_mb_per_s": round(bandwidth / 2**20, 1), "pass_s": {str(k): round(v, 4) for k, v in pass_s.items()},
             "bucket": asdict(bucket)}
     cache[chain] = (bucket, info)
     return cache[chain]
