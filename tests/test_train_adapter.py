@@ -95,6 +95,33 @@ def test_checkpoints_resume(model, data, tmp_path, capsys):
         train_adapter(model, data, TrainConfig(**{**settings, "batch_tokens": 128}, max_steps=8))
 
 
+def test_bf16_mixed_precision_trains_in_bfloat16_and_keeps_float32_weights(model, data, tmp_path):
+    settings = dict(role="draft", layer=1, epochs=30, lr=3e-3, batch_tokens=256, warmup_steps=5, position_fraction=1.0,
+                    draft_vocab=200, progress=False, checkpoint_every=0, max_steps=6)
+    seen = []
+    original = torch.nn.functional.linear
+
+    def recording_linear(x, weight, bias=None):
+        out = original(x, weight, bias)
+        seen.append(out.dtype)
+        return out
+
+    plain = train_adapter(model, data, TrainConfig(**settings, out=tmp_path / "fp32"), eval_data=data)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.nn.functional, "linear", recording_linear)
+        mixed = train_adapter(model, data, TrainConfig(**settings, out=tmp_path / "bf16", mixed_precision="bf16"),
+                              eval_data=data)
+    assert torch.bfloat16 in seen  # the products ran in bfloat16 (the read-out included: it is most of them)
+    plain_losses = load_adapter(plain, model).config.training
+    mixed_adapter = load_adapter(mixed, model)
+    assert all(p.dtype == torch.float32 for p in mixed_adapter.parameters())
+    assert mixed_adapter.config.training["settings"]["mixed_precision"] == "bf16"
+    first, last = plain_losses["final_eval"], mixed_adapter.config.training["final_eval"]
+    assert abs(first["agreement"] - last["agreement"]) < 0.15, (first, last)  # the same training, to rounding
+    with pytest.raises(InvalidArgumentError, match="--mixed-precision"):
+        train_adapter(model, data, TrainConfig(**settings, out=tmp_path / "x", mixed_precision="fp16"))
+
+
 def test_bad_training_input(model, data, tmp_path):
     with pytest.raises(InvalidArgumentError, match="not of layer 3"):
         train_adapter(model, data, TrainConfig(role="draft", layer=3, out=tmp_path / "x"))

@@ -46,6 +46,7 @@ from cats.train.folder import DataMix, TrainingData
 
 GAMMA = 6
 SAVE_DTYPES = ("float32", "bfloat16")
+MIXED_PRECISIONS = ("no", "bf16")  # accelerate's names: bf16 runs the matrix products under bfloat16 autocast
 TTT_WEIGHT = 0.8  # EAGLE-3's decay for the training-time test's second step
 ARCHS = ("adapter", "eagle3")  # a CATS adapter (its role and input say which), or an EAGLE-3 head
 EAGLE3_ONLY = ("aux_layers", "heads", "kv_heads", "intermediate_size", "ttt_weight")  # TrainConfig fields of --arch eagle3 only
@@ -70,6 +71,8 @@ class TrainConfig:
     # "features+hidden" (final features + the next token's state after `layer`: early exit with features)
     feature_loss: float = 1.0  # feature adapters: weight of the smooth-L1 regression to the next final feature
     save_dtype: str = "float32"  # dtype of the stored weights (bfloat16: half the bytes)
+    mixed_precision: str = "no"  # "bf16": forward and loss under bfloat16 autocast (AMX / bf16 dot products on CPUs
+    # that have them); the weights, gradients and optimizer state stay float32
     eval_every: int = 0  # steps between held-out evaluations (0: at epoch ends only)
     checkpoint_every: int = 200
     max_steps: int | None = None
@@ -99,6 +102,9 @@ class TrainConfig:
         if model.dtype not in (torch.float32, torch.float64):
             raise InvalidArgumentError(f"train adapters on a float32 model (this one is {model.dtype}); "
                                        "the adapter is converted to the decoding dtype when loaded")
+        if self.mixed_precision not in MIXED_PRECISIONS:
+            raise InvalidArgumentError(f"--mixed-precision must be one of {', '.join(MIXED_PRECISIONS)}, got "
+                                       f"{self.mixed_precision!r}")
         if self.save_dtype not in SAVE_DTYPES:
             raise InvalidArgumentError(f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}, got {self.save_dtype!r}")
         if self.draft_vocab is not None and not 1 <= self.draft_vocab <= model.vocab_size:
@@ -356,25 +362,10 @@ def train_adapter(model: LayeredModel, data: TrainingData | DataMix, config: Tra
             chosen = torch.rand(batch.positions.shape[0], generator=rng_positions) < config.position_fraction
             if not chosen.any():
                 chosen[0] = True
-            where = batch.positions[chosen]
-            second = None
-            if isinstance(adapter, Eagle3Head) and config.ttt_weight:  # its own output fed back: a second step
-                normed, second = wrapped(batch.hidden, attention_mask=batch.attention_mask, unroll=True)
-            else:
-                normed = wrapped(batch.hidden, attention_mask=batch.attention_mask)
-            logits = adapter.logits(normed[where[:, 0], where[:, 1]])
-            loss = soft_cross_entropy(logits, batch.teacher_ids[chosen.to(device)], batch.teacher_probs[chosen.to(device)])
-            if second is not None:  # step two at t predicts the teacher at t + 1
-                later = chosen & (batch.positions[:, 1] >= 1)
-                if later.any():
-                    rows = batch.positions[later]
-                    step_two = adapter.logits(second[rows[:, 0], rows[:, 1] - 1])
-                    loss = loss + config.ttt_weight * soft_cross_entropy(
-                        step_two, batch.teacher_ids[later.to(device)], batch.teacher_probs[later.to(device)])
-            if batch.next_features is not None and config.feature_loss:  # regression on every loss position
-                every = batch.positions
-                loss = loss + config.feature_loss * torch.nn.functional.smooth_l1_loss(
-                    normed[every[:, 0], every[:, 1]].float(), batch.next_features.float())
+            # autocast here, not accelerate's mixed_precision: its state is one per process, and the read-out runs
+            # outside the wrapped module
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.mixed_precision == "bf16"):
+                logits, loss = _loss(adapter, wrapped, batch, chosen, config, device)
             accelerator.backward(loss)
             if config.grad_clip:
                 accelerator.clip_grad_norm_(wrapped.parameters(), config.grad_clip)
@@ -420,6 +411,31 @@ def train_adapter(model: LayeredModel, data: TrainingData | DataMix, config: Tra
     if config.tensorboard:
         accelerator.end_training()
     return out
+
+
+def _loss(adapter, wrapped, batch: Batch, chosen: torch.Tensor, config: TrainConfig, device) -> tuple:
+    """The chosen positions' logits and the step's loss: soft cross-entropy to the teacher, plus an EAGLE-3 head's
+    training-time test step, plus a feature adapter's regression to the next feature."""
+    where = batch.positions[chosen]
+    second = None
+    if isinstance(adapter, Eagle3Head) and config.ttt_weight:  # its own output fed back: a second step
+        normed, second = wrapped(batch.hidden, attention_mask=batch.attention_mask, unroll=True)
+    else:
+        normed = wrapped(batch.hidden, attention_mask=batch.attention_mask)
+    logits = adapter.logits(normed[where[:, 0], where[:, 1]])
+    loss = soft_cross_entropy(logits, batch.teacher_ids[chosen.to(device)], batch.teacher_probs[chosen.to(device)])
+    if second is not None:  # step two at t predicts the teacher at t + 1
+        later = chosen & (batch.positions[:, 1] >= 1)
+        if later.any():
+            rows = batch.positions[later]
+            step_two = adapter.logits(second[rows[:, 0], rows[:, 1] - 1])
+            loss = loss + config.ttt_weight * soft_cross_entropy(
+                step_two, batch.teacher_ids[later.to(device)], batch.teacher_probs[later.to(device)])
+    if batch.next_features is not None and config.feature_loss:  # regression on every loss position
+        every = batch.positions
+        loss = loss + config.feature_loss * torch.nn.functional.smooth_l1_loss(
+            normed[every[:, 0], every[:, 1]].float(), batch.next_features.float())
+    return logits, loss
 
 
 def _record_eval(state, adapter, eval_data, config, vocab_index, device, accelerator, started) -> None:
