@@ -177,7 +177,7 @@ def test_a_truncated_adapter(checkpoint, adapter_folder):
     with pytest.raises(DamagedFileError, match=f"truncated at byte {size // 2} of {size}; train it again"):
         load_adapter(find_draft_adapter(adapter_folder.parent), model)
     with pytest.raises(DamagedFileError, match=f"{weights} is truncated"):
-        adapter_bytes(adapter_folder, 64, 4)  # the memory plan reads the adapter's header too
+        adapter_bytes(adapter_folder, 4)  # the memory plan reads the adapter's header too
 
 
 def test_an_adapter_with_a_damaged_config(checkpoint, adapter_folder):

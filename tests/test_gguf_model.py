@@ -195,6 +195,26 @@ def test_a_forward_of_more_tokens_than_a_kernel_call_takes_gives_each_what_decod
     assert together.shape[0] > avx512.ATTENTION_QUERY_LIMIT and torch.equal(together, alone)
 
 
+@needs(SMOLLM2)
+@torch.no_grad()
+def test_a_draft_vocabulary_reads_out_through_the_heads_own_blocks(smollm2_blocks):
+    """A reduced draft vocabulary on a GGUF head keeps its rows' blocks (not float32 rows): its logits are the whole
+    head's at those token ids, bit for bit, and the plan prices the rows at the head's row bytes."""
+    from cats.model.eagle3 import new_eagle3_head
+    from cats.model.weights.budget import PartSizes
+
+    model = smollm2_blocks
+    vocab = torch.randperm(model.vocab_size, generator=torch.Generator().manual_seed(0))[:300].tolist()
+    head = new_eagle3_head(model, [2, 15, 27], heads=3, kv_heads=1, intermediate_size=64, vocab_subset=vocab).eval()
+    normed = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    logits = head.logits(normed)
+    lm_head = model.hf_model.lm_head
+    assert isinstance(head._head_rows, GGUFLinear) and head._head_rows.type_code == lm_head.type_code
+    assert head._head_rows.blocks.shape == (300, lm_head.blocks.shape[1])
+    assert torch.equal(logits, lm_head(head.norm(normed))[:, vocab])
+    assert PartSizes.of(model.hf_model).head_row_bytes == lm_head.blocks.shape[1]
+
+
 def test_a_streamed_layer_dequantises_to_meta_linears_for_an_adapter_to_fill():
     """Under a memory budget a streamed layer holds meta blocks: an adapter copied from it gets meta float linears
     of the same shapes (its own weights are then assigned), not an error reading blocks that are not there."""

@@ -59,6 +59,15 @@ def test_planner_hand_computed():
     assert plan.to_dict()["streamed_layers"] == [2, 6]
 
 
+def test_draft_vocabulary_rows_are_priced_as_the_head_holds_its_rows():
+    # hand_case's parts with a 120-byte head row, 64 rows gathered (+ an 8-byte token id each): 8 KiB more
+    parts = PartSizes(embed=16 * KIB, norm=0, lm_head=0, layers=[8 * KIB] * 6, head_row_bytes=120)
+    needs = MemoryNeeds(context_tokens=10, min_resident_layers=1, adapter_bytes=4 * KIB, head_rows=64, prefetch=1)
+    plan = plan_memory(70_000, parts, needs, kv_bytes=4 * KIB, activation=8 * KIB)
+    assert plan.adapter_bytes == 12 * KIB and ("adapters", 12 * KIB) in plan.rows()
+    assert plan.resident_layers == 1 and plan.planned_bytes == 64 * KIB  # a layer fewer than hand_case(70_000)
+
+
 def test_more_prefetch_costs_buffers():
     assert hand_case(70_000, prefetch=0).resident_layers == 3  # one buffer: one more layer fits
     assert hand_case(70_000, prefetch=2).resident_layers == 1
@@ -101,10 +110,9 @@ def test_memory_needs_per_method(tmp_path):
     assert tree.min_resident_layers == 1 and tree.max_tree_tokens == max(b.total_tokens for b in BUCKETS) + 1
     cats = memory_needs(config, dtype, "cats", DraftConfig(adapters=str(tmp_path), total_tokens=8))
     block = sum(p.numel() for p in model.layers[0].parameters()) + 64  # decoder block + its norm
-    draft_bytes = (block + 10 * 64) * 8 + 10 * 8  # the 10 lm_head rows of its vocabulary, and their ids
     assert (cats.min_resident_layers, cats.shallow_layers) == (1, 2)  # draft layers resident, shallow ones if room
     assert cats.extra_cache_layers == 2 and cats.max_tree_tokens == 17
-    assert cats.adapter_bytes == draft_bytes + block * 8
+    assert cats.adapter_bytes == 2 * block * 8 and cats.head_rows == 10  # the 10 lm_head rows of its vocabulary
     # dytc drafts from lookup and recycling where layers stream (layer skipping only when all are resident anyway)
     dytc = memory_needs(config, dtype, "dytc")
     assert dytc.min_resident_layers == 1 and dytc.max_tree_tokens == 16 + 16 + 1  # a lookup chain on a recycling tree

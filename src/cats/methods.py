@@ -268,14 +268,23 @@ def _adapter_tree(name: str):
 
 
 # ----------------------------------------------------------------------------------------------- memory needs
-def adapter_bytes(folder: Path, hidden_size: int, itemsize: int) -> tuple[int, int]:
-    """``(layer, resident bytes)`` of an adapter folder: its block and norm in the model's dtype, plus the lm_head
-    rows it gathers once for a reduced draft vocabulary."""
+def adapter_bytes(folder: Path, itemsize: int) -> tuple[int, int, int]:
+    """``(layer, resident bytes, head rows)`` of an adapter folder: its block and norm in the model's dtype, and the
+    number of lm_head rows it gathers once for a reduced draft vocabulary (the plan prices them as the head holds
+    its rows: `cats.model.weights.budget.MemoryPlan.adapter_bytes`)."""
     config = read_adapter_config(Path(folder))  # a damaged config or weights file: a clear error naming it
     header = read_header(Path(folder) / "model.safetensors")
     values = sum(numel(e.shape) for e in header.entries.values())
-    vocab = config.vocab_subset or []
-    return config.layer, values * itemsize + len(vocab) * (hidden_size * itemsize + 8)
+    return config.layer, values * itemsize, len(config.vocab_subset or [])
+
+
+def _add_adapter(needs: MemoryNeeds, folder: Path, itemsize: int) -> int:
+    """Count the adapter in ``folder`` (its bytes, head rows and KV-cache layer) in ``needs``; returns its layer."""
+    layer, size, rows = adapter_bytes(folder, itemsize)
+    needs.adapter_bytes += size
+    needs.head_rows += rows
+    needs.extra_cache_layers += 1
+    return layer
 
 
 def _no_needs(needs: MemoryNeeds, config, itemsize: int, d: DraftConfig) -> None:
@@ -292,8 +301,7 @@ def _recycle_needs(needs, config, itemsize, d):  # drafts from its table: no lay
 
 def _eagle_needs(needs, config, itemsize, d):  # drafts from the final features: no target layer must stay
     if d.adapters is not None:
-        needs.adapter_bytes += adapter_bytes(find_adapter(d.adapters, "feature"), config.hidden_size, itemsize)[1]
-        needs.extra_cache_layers += 1
+        _add_adapter(needs, find_adapter(d.adapters, "feature"), itemsize)
     needs.max_tree_tokens = (d.total_tokens or EAGLE_TOKENS) + 1  # a fixed tree size, not left to the budget
 
 
@@ -304,7 +312,8 @@ def _eagle3_head_needs(needs, config, itemsize, folder: Path | None) -> bool:
     header = read_header(folder / "model.safetensors")
     vocab = len(json.loads((folder / "config.json").read_text()).get("vocab_subset") or [])
     values = sum(numel(e.shape) for e in header.entries.values())
-    needs.adapter_bytes += values * itemsize + vocab * (config.hidden_size * itemsize + 8)
+    needs.adapter_bytes += values * itemsize
+    needs.head_rows += vocab
     needs.extra_cache_layers += 1
     return True
 
@@ -319,15 +328,9 @@ def _adapter_needs(needs, config, itemsize, d, early_exit: bool = False, shallow
     layers = []
     if d.adapters is None:
         return layers
-    layer, size = adapter_bytes(find_draft_adapter(d.adapters, early_exit), config.hidden_size, itemsize)
-    layers.append(layer)
-    needs.adapter_bytes += size
-    needs.extra_cache_layers += 1
+    layers.append(_add_adapter(needs, find_draft_adapter(d.adapters, early_exit), itemsize))
     if shallow:
-        layer, size = adapter_bytes(find_adapter(d.adapters, "shallow"), config.hidden_size, itemsize)
-        needs.shallow_layers = layer
-        needs.adapter_bytes += size
-        needs.extra_cache_layers += 1
+        needs.shallow_layers = _add_adapter(needs, find_adapter(d.adapters, "shallow"), itemsize)
     return layers
 
 

@@ -113,6 +113,7 @@ class PartSizes:
     layers: list[int]
     weight_bytes: int | None = None  # the model's weight bytes where ``embed`` counts less than the whole table
     embed_rows: bool = False  # ``embed`` is the rows a context reads of a table that stays in the mapped file
+    head_row_bytes: int = 0  # one lm_head row as the model holds it (a reduced draft vocabulary gathers such rows)
     stored_layers: list[int] | None = None  # each layer's bytes as streaming reads them where that differs from its
     # size: a layer store's quantised blocks (`cats.model.weights.blocks`, fewer), a GGUF file's span of the layer
     # (aligned: a little more); None: the layers' own sizes
@@ -132,8 +133,9 @@ class PartSizes:
             tied = head.blocks.data_ptr() == embed.blocks.data_ptr() and head.blocks.shape == embed.blocks.shape
         else:
             tied = head.weight is embed.weight
+        row = head.blocks[0] if isinstance(head, GGUFRows) else head.weight[0]
         return cls(embed=size(decoder.embed_tokens), norm=size(decoder.norm),
-                   lm_head=0 if tied else size(hf_model.lm_head),
+                   lm_head=0 if tied else size(hf_model.lm_head), head_row_bytes=row.numel() * row.element_size(),
                    layers=[size(layer) for layer in decoder.layers[: hf_model.config.num_hidden_layers]])
 
     @property
@@ -163,7 +165,9 @@ class MemoryNeeds:
     prompt_tokens: int | None = None  # the longest prompt (its prefill's activations); None: context_tokens
     min_resident_layers: int = 0  # layers [0, L_d) that every draft step runs stay resident
     shallow_layers: int = 0  # L_sv of the cascade: kept resident when they fit, else they stream (see describe)
-    adapter_bytes: int = 0  # draft / shallow adapters, with their reduced-vocabulary head rows
+    adapter_bytes: int = 0  # draft / shallow adapters' blocks and norms
+    head_rows: int = 0  # lm_head rows the adapters' reduced draft vocabularies gather (each kept as the head holds it,
+    # with its token id)
     max_tree_tokens: int = 1  # tokens verified in one pass (activations are reserved for this many)
     extra_cache_layers: int = 0  # adapters' own KV-cache layers
     speculation: str | None = None  # "chain", "tree" or "cascade" when the draft size is left to the budget: the plan
@@ -269,9 +273,14 @@ class MemoryPlan:
     @property
     def planned_bytes(self) -> int:
         return (self.needs.runtime_bytes + self.needs.library_pages_bytes + self.parts.always_resident
-                + self.needs.adapter_bytes + self.kv_bytes
+                + self.adapter_bytes + self.kv_bytes
                 + self.activation_bytes
                 + self.resident_layer_bytes + self.pool_bytes)
+
+    @property
+    def adapter_bytes(self) -> int:
+        """The adapters and the lm_head rows of their draft vocabularies (row and token id each)."""
+        return self.needs.adapter_bytes + self.needs.head_rows * (self.parts.head_row_bytes + 8)
 
     def with_resident(self, resident: int) -> "MemoryPlan":
         """The same needs with layers ``[0, resident)`` resident (the budget is not checked): its
@@ -292,7 +301,7 @@ class MemoryPlan:
         rows.append((head, parts.embed))
         if parts.lm_head:
             rows.append(("lm_head", parts.lm_head))
-        rows += [("final norm", parts.norm), ("adapters", self.needs.adapter_bytes),
+        rows += [("final norm", parts.norm), ("adapters", self.adapter_bytes),
                  (f"KV cache ({self.needs.context_tokens} + {self.needs.max_tree_tokens} tokens)", self.kv_bytes),
                  (f"activations ({self.needs.max_tree_tokens}-token pass)", self.activation_bytes),
                  (f"resident layers [0, {self.resident_layers})", self.resident_layer_bytes)]
