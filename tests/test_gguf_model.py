@@ -209,8 +209,10 @@ def test_a_draft_vocabulary_reads_out_through_the_heads_own_blocks(smollm2_block
     normed = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
     logits = head.logits(normed)
     lm_head = model.hf_model.lm_head
-    assert isinstance(head._head_rows, GGUFLinear) and head._head_rows.type_code == lm_head.type_code
-    assert head._head_rows.blocks.shape == (300, lm_head.blocks.shape[1])
+    rows = head._head_rows.linear
+    assert isinstance(rows, GGUFLinear) and rows.type_code == lm_head.type_code
+    assert rows.blocks.shape == (300, lm_head.blocks.shape[1])
+    assert not any("_head_rows" in name for name in head.state_dict())  # the target's rows: never saved
     assert torch.equal(logits, lm_head(head.norm(normed))[:, vocab])
     assert PartSizes.of(model.hf_model).head_row_bytes == lm_head.blocks.shape[1]
 

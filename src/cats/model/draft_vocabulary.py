@@ -15,12 +15,19 @@ from cats.model.kernels.gguf_modules import GGUFLinear
 from cats.model.kernels.packing import packed_linear
 
 
-def stored_rows(lm_head: GGUFLinear, vocab_ids: torch.Tensor) -> GGUFLinear:
-    """A linear over the rows ``vocab_ids`` of a GGUF lm_head, copied as the file stores them: a Q6_K head's 8,192
-    rows of 1,536 values take 10 MiB where float32 rows took 48 MiB, and run on the same block kernels as the head."""
-    stored = vocab_ids.cpu() if lm_head.order is None else lm_head.order[vocab_ids.cpu()]
-    bias = None if lm_head.bias is None else lm_head.bias.index_select(0, stored)
-    return GGUFLinear(lm_head.blocks.index_select(0, stored).contiguous(), lm_head.type_code, lm_head.columns, bias)
+class StoredRows:
+    """The rows ``vocab_ids`` of a GGUF lm_head, copied as the file stores them and read out on the same block
+    kernels: a Q6_K head's 8,192 rows of 1,536 values take 10 MiB where float32 rows took 48 MiB. Not a module, so
+    a head holding it neither registers nor saves it (the rows are the target's, never the adapter's)."""
+
+    def __init__(self, lm_head: GGUFLinear, vocab_ids: torch.Tensor):
+        stored = vocab_ids.cpu() if lm_head.order is None else lm_head.order[vocab_ids.cpu()]
+        bias = None if lm_head.bias is None else lm_head.bias.index_select(0, stored)
+        self.linear = GGUFLinear(lm_head.blocks.index_select(0, stored).contiguous(), lm_head.type_code,
+                                 lm_head.columns, bias)
+
+    def __call__(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.linear(normed)
 
 
 class DraftVocabulary:
@@ -36,8 +43,8 @@ class DraftVocabulary:
         if self.vocab_ids is None:  # the lm_head module itself: its packed copy when the target packs (one copy)
             return lm_head(normed)
         if isinstance(lm_head, GGUFLinear):  # the rows as the file stores them, on the block kernels
-            if not isinstance(self._head_rows, GGUFLinear):
-                self._head_rows = stored_rows(lm_head, self.vocab_ids)
+            if not isinstance(self._head_rows, StoredRows):
+                self._head_rows = StoredRows(lm_head, self.vocab_ids)
             return self._head_rows(normed)
         if self._head_rows is None or self._head_rows.dtype != normed.dtype:
             # gathered once for decoding: |V_d| rows, the memory price of the reduced vocabulary
