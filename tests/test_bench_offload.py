@@ -123,6 +123,12 @@ def test_worker_answers_under_the_budget(tmp_path):
     answers = read_answers(tmp_path / f"ar.jsonl{PARTIAL_SUFFIX}")  # the parent renames it when the run is done
     assert answers[0]["error"] is None and answers[0]["choices"][0]["new_tokens"] == [6]
     assert answers[0]["choices"][0]["offload"][0]["acquires"] > 0
+    # a method plans for the settings it takes: dytc-free never reads the --adapters the run was given
+    free = {**job, "method": "dytc-free", "settings": {"adapters": str(tmp_path / "adapters-it-never-reads")},
+            "answers": str(tmp_path / "dytc-free.jsonl")}
+    result = run_job(free)
+    assert "skipped" not in result, result
+    assert result["plan"]["parts_mb"]["adapters"] == 0
     job["memory_budget"] = "1%"
     assert "below the minimum" in run_job(job)["skipped"]
 

@@ -24,9 +24,10 @@ from cats.bench.methods import (
     SamplingSettings,
 )
 from cats.bench.runner import BenchConfig, answer_alone, answer_question
-from cats.config import DraftConfig, KernelConfig, MemoryConfig
+from cats.config import KernelConfig, MemoryConfig
 from cats.errors import CatsError
 from cats.methods import METHODS as CATS_METHODS
+from cats.methods import method as cats_method
 from cats.model.source import load_tokenizer
 from cats.model.weights.rss import page_cache_bytes, peak_rss_bytes, storage_read_bytes
 from cats.prompts import Question
@@ -50,8 +51,7 @@ def run_job(job: dict) -> dict:
     try:
         model, tokenizer = None, None
         if name in CATS_METHODS:
-            drafting = DraftConfig(adapters=settings.adapters, draft_layer=settings.draft_layer,
-                                   num_draft_tokens=settings.num_draft_tokens, total_tokens=settings.total_tokens)
+            drafting = settings.drafting(cats_method(name).settings)  # what the method's drafter gets, planned for
             memory = MemoryConfig(budget=job["memory_budget"], offload_io=job["offload_io"], prefetch=job["prefetch"],
                                   process=bool(job.get("process_memory", False)))
             tokenizer = load_tokenizer(source)  # before planning: the runtime the process budget measures holds it
