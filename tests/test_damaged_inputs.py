@@ -19,7 +19,7 @@ import cats
 import cats.cli
 from cats.cli import main
 from cats.errors import CatsError, DamagedFileError, NoTokenizerError
-from cats.methods import adapter_bytes
+from cats.methods import HeldAs, adapter_bytes
 from cats.model import load_model
 from cats.model.adapter import (
     AdapterError,
@@ -177,7 +177,7 @@ def test_a_truncated_adapter(checkpoint, adapter_folder):
     with pytest.raises(DamagedFileError, match=f"truncated at byte {size // 2} of {size}; train it again"):
         load_adapter(find_draft_adapter(adapter_folder.parent), model)
     with pytest.raises(DamagedFileError, match=f"{weights} is truncated"):
-        adapter_bytes(adapter_folder, 4)  # the memory plan reads the adapter's header too
+        adapter_bytes(adapter_folder, HeldAs(4))  # the memory plan reads the adapter's header too
 
 
 def test_an_adapter_with_a_damaged_config(checkpoint, adapter_folder):

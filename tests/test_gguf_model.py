@@ -6,6 +6,7 @@ from __future__ import annotations
 import gguf
 import pytest
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
@@ -18,7 +19,9 @@ from cats.loop.generator import Generator
 from cats.model import gguf_model
 from cats.model.gguf_names import shared_name_maps
 from cats.model.kernels import avx512, quantized
-from cats.model.kernels.gguf_modules import GGUFEmbedding, GGUFLinear
+from cats.methods import HeldAs
+from cats.model.adapter import load_adapter, new_adapter
+from cats.model.kernels.gguf_modules import STORED_FLOAT_TYPES, GGUFEmbedding, GGUFLinear, stored_linears
 from cats.model.source import gguf_metadata
 from cats.prompts import encode_prompt
 from tests.conftest import SMOLLM2, STORIES_GGUF, STORIES_HF, needs, tiny_config
@@ -215,6 +218,42 @@ def test_a_draft_vocabulary_reads_out_through_the_heads_own_blocks(smollm2_block
     assert not any("_head_rows" in name for name in head.state_dict())  # the target's rows: never saved
     assert torch.equal(logits, lm_head(head.norm(normed))[:, vocab])
     assert PartSizes.of(model.hf_model).head_row_bytes == lm_head.blocks.shape[1]
+
+
+@needs(SMOLLM2)
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_trained_adapter_computes_on_the_kernels_as_its_file_stores_it(smollm2_blocks, tmp_path, dtype):
+    """On a model on GGUF blocks a loaded adapter's linears are kernel linears over its file's own values (bfloat16:
+    half the bytes of float32 copies); its states are the float linears' up to float32 summation order, and it
+    holds exactly the bytes the memory plan prices."""
+    model = smollm2_blocks
+    new_adapter(model, "draft", 4, block="attention").save(tmp_path / "draft", dtype=dtype)
+    on_blocks = load_adapter(tmp_path / "draft", model)
+    as_floats = load_adapter(tmp_path / "draft", model, on_blocks=False)
+    linears = [m for m in on_blocks.modules() if isinstance(m, GGUFLinear)]
+    assert len(linears) == 4 and {m.type_code for m in linears} == {STORED_FLOAT_TYPES[dtype]}
+    assert not any(isinstance(m, nn.Linear) for m in on_blocks.modules())
+    held = sum(p.numel() * p.element_size() for p in on_blocks.parameters())
+    assert held == HeldAs(4, stored_matrices=True).bytes_of(tmp_path / "draft" / "model.safetensors")
+    assert held < sum(p.numel() * p.element_size() for p in as_floats.parameters()) or dtype == torch.float32
+    hidden = torch.randn(1, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    states = [adapter(hidden, model.new_cache(extra_layers=1)) for adapter in (on_blocks, as_floats)]
+    torch.testing.assert_close(states[0], states[1], rtol=1e-4, atol=1e-4)
+
+
+def test_stored_linears_multiply_the_weights_values_as_they_are():
+    """`stored_linears` keeps each float weight's bytes as kernel rows (no copy) and multiplies its values: the float
+    linear's outputs up to summation order, for F32, F16 and BF16."""
+    for dtype in STORED_FLOAT_TYPES:
+        holder = nn.Sequential(nn.Linear(64, 24, bias=True)).to(dtype)
+        weight = holder[0].weight
+        expected = nn.functional.linear(torch.randn(3, 64, generator=torch.Generator().manual_seed(1)),
+                                        weight.float(), holder[0].bias.float())
+        assert stored_linears(holder) == 1 and isinstance(holder[0], GGUFLinear)
+        assert holder[0].blocks.data_ptr() == weight.data_ptr()
+        got = holder[0](torch.randn(3, 64, generator=torch.Generator().manual_seed(1)))
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_streamed_layer_dequantises_to_meta_linears_for_an_adapter_to_fill():

@@ -11,7 +11,8 @@ from cats.model.weights.budget import (BudgetTooSmallError, MemoryNeeds, PartSiz
 from cats.draft.sizing import BUCKETS, choose_bucket, streamed_pass_s
 from tests.conftest import tiny_model
 from cats.config import DraftConfig
-from cats.methods import memory_needs
+from cats.methods import HeldAs, memory_needs
+from cats.model.adapter import new_adapter
 from cats.model.weights.offload import plan_for
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -95,9 +96,6 @@ def test_part_sizes_are_the_real_parameter_bytes():
 
 
 def test_memory_needs_per_method(tmp_path):
-    from cats.model.adapter import new_adapter
-    from cats.methods import memory_needs
-
     model = tiny_model("llama")
     new_adapter(model, "draft", 1, vocab_subset=list(range(10))).save(tmp_path / "draft")
     new_adapter(model, "shallow", 2).save(tmp_path / "shallow")
@@ -117,6 +115,21 @@ def test_memory_needs_per_method(tmp_path):
     dytc = memory_needs(config, dtype, "dytc")
     assert dytc.min_resident_layers == 1 and dytc.max_tree_tokens == 16 + 16 + 1  # a lookup chain on a recycling tree
     assert memory_needs(config, dtype, "layer-skip").min_resident_layers == config.num_hidden_layers
+
+
+def test_on_gguf_blocks_an_adapter_is_priced_as_its_file_stores_its_matrices(tmp_path):
+    """On a model that computes on GGUF blocks an adapter's linears stay as its file stores them (bfloat16 here: 2
+    bytes a weight) and only its vectors (norms, biases) take the model's dtype; elsewhere all of it does."""
+    model = tiny_model("llama")
+    new_adapter(model, "draft", 1).save(tmp_path / "draft", dtype=torch.bfloat16)
+    layer = model.layers[0]
+    matrices = sum(p.numel() for p in layer.parameters() if p.dim() == 2)
+    vectors = sum(p.numel() for p in layer.parameters() if p.dim() == 1) + 64  # + the adapter's final norm
+    drafting = DraftConfig(adapters=str(tmp_path), total_tokens=8)
+    assert memory_needs(model.config, torch.float32, "tree", drafting, on_blocks=True).adapter_bytes == \
+        2 * matrices + 4 * vectors
+    assert memory_needs(model.config, torch.float32, "tree", drafting).adapter_bytes == 4 * (matrices + vectors)
+    assert HeldAs(4, stored_matrices=True).bytes_of(tmp_path / "draft" / "model.safetensors") == 2 * matrices + 4 * vectors
 
 
 def test_a_streamed_pass_costs_the_reads_the_pool_cannot_take_ahead_after_the_compute_they_wait_for():

@@ -29,6 +29,7 @@ from cats.loop.text import IncrementalDetokenizer
 from cats.methods import METHODS, check_method, make_drafter, make_scorer, memory_needs
 from cats.model import LayeredModel, load_model
 from cats.model.gguf_offload import stream_gguf_layers
+from cats.model.load import runnable_gguf
 from cats.model.kernels.packing import check_packing
 from cats.model.source import config_folder, load_tokenizer, resolve_dtype
 from cats.model.weights.budget import LIBRARY_PAGES, parse_budget
@@ -66,12 +67,14 @@ def prepare(model: str | os.PathLike | LayeredModel, method: str, drafting: Draf
     if kernels.pack_weights:
         check_packing(resolve_dtype(kernels.dtype), memory.budget)
     if isinstance(model, LayeredModel):
-        config, torch_dtype = model.config, model.dtype
+        config, torch_dtype, on_blocks = model.config, model.dtype, model.on_blocks
     else:
         torch_dtype = resolve_dtype(kernels.dtype)
         config = AutoConfig.from_pretrained(config_folder(model))
+        float_settings = torch_dtype != torch.float32 or kernels.pack_weights
+        on_blocks = runnable_gguf(model, kernels.kernels, float_settings, quiet=True) is not None
     needs = memory_needs(config, torch_dtype, method, drafting, context_tokens=context_tokens,
-                         prefetch=memory.prefetch, prompt_tokens=prompt_tokens)
+                         prefetch=memory.prefetch, prompt_tokens=prompt_tokens, on_blocks=on_blocks)
     if memory.process:  # the budget is the process's: what it holds before any weight is read is planned for too
         return_freed_memory()  # what loading the tokenizer freed is not held against the weights
         needs.runtime_bytes = anonymous_rss_bytes() or 0  # its file pages are the kernel's to reclaim (see rss.py)

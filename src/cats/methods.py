@@ -41,6 +41,7 @@ from cats.model.adapter import (
     read_adapter_config,
 )
 from cats.model.eagle3 import find_eagle3_folder, load_eagle3_head
+from cats.model.kernels.gguf_modules import STORED_FLOAT_TYPES
 from cats.model.weights.budget import (
     DEFAULT_CONTEXT_TOKENS,
     DEFAULT_PREFETCH,
@@ -69,7 +70,7 @@ class Method:
     name: str
     summary: str  # one line: CLI help, bench and server listings
     make: Callable[[LayeredModel, DraftConfig, float, bool], Drafter | None]  # (model, drafting, threshold, progress)
-    needs: Callable[[MemoryNeeds, object, int, DraftConfig], None]  # fills what it needs under a budget
+    needs: Callable[[MemoryNeeds, object, HeldAs, DraftConfig], None]  # fills what it needs under a budget
     settings: frozenset[str] = frozenset()  # the DraftConfig fields that apply
     threshold: float = 0.0  # the default confidence stop
     all_layers: bool = False  # drafts through every target layer (refuses a model that streams layers)
@@ -268,69 +269,81 @@ def _adapter_tree(name: str):
 
 
 # ----------------------------------------------------------------------------------------------- memory needs
-def adapter_bytes(folder: Path, itemsize: int) -> tuple[int, int, int]:
-    """``(layer, resident bytes, head rows)`` of an adapter folder: its block and norm in the model's dtype, and the
-    number of lm_head rows it gathers once for a reduced draft vocabulary (the plan prices them as the head holds
-    its rows: `cats.model.weights.budget.MemoryPlan.adapter_bytes`)."""
+@dataclass(frozen=True)
+class HeldAs:
+    """How a loaded adapter or head holds its file's tensors: in the model's dtype (``itemsize`` bytes a value), but
+    its matrices as the file stores them where the model computes on GGUF blocks (``stored_matrices``: they become
+    kernel linears over the file's own bytes, `cats.model.kernels.gguf_modules.stored_linears`)."""
+
+    itemsize: int
+    stored_matrices: bool = False
+
+    def bytes_of(self, weights: Path) -> int:
+        """The resident bytes of the tensors in the safetensors file ``weights``."""
+        return sum(entry.end - entry.begin if self.stored_matrices and len(entry.shape) == 2
+                   and entry.dtype in STORED_FLOAT_TYPES else numel(entry.shape) * self.itemsize
+                   for entry in read_header(weights).entries.values())
+
+
+def adapter_bytes(folder: Path, held: HeldAs) -> tuple[int, int, int]:
+    """``(layer, resident bytes, head rows)`` of an adapter folder: its block and norm as ``held``, and the number of
+    lm_head rows it gathers once for a reduced draft vocabulary (the plan prices them as the head holds its rows:
+    `cats.model.weights.budget.MemoryPlan.adapter_bytes`)."""
     config = read_adapter_config(Path(folder))  # a damaged config or weights file: a clear error naming it
-    header = read_header(Path(folder) / "model.safetensors")
-    values = sum(numel(e.shape) for e in header.entries.values())
-    return config.layer, values * itemsize, len(config.vocab_subset or [])
+    return config.layer, held.bytes_of(Path(folder) / "model.safetensors"), len(config.vocab_subset or [])
 
 
-def _add_adapter(needs: MemoryNeeds, folder: Path, itemsize: int) -> int:
+def _add_adapter(needs: MemoryNeeds, folder: Path, held: HeldAs) -> int:
     """Count the adapter in ``folder`` (its bytes, head rows and KV-cache layer) in ``needs``; returns its layer."""
-    layer, size, rows = adapter_bytes(folder, itemsize)
+    layer, size, rows = adapter_bytes(folder, held)
     needs.adapter_bytes += size
     needs.head_rows += rows
     needs.extra_cache_layers += 1
     return layer
 
 
-def _no_needs(needs: MemoryNeeds, config, itemsize: int, d: DraftConfig) -> None:
+def _no_needs(needs: MemoryNeeds, config, held: HeldAs, d: DraftConfig) -> None:
     pass
 
 
-def _pld_needs(needs, config, itemsize, d):
+def _pld_needs(needs, config, held, d):
     needs.max_tree_tokens = (d.num_draft_tokens or 10) + 1
 
 
-def _recycle_needs(needs, config, itemsize, d):  # drafts from its table: no layer must stay resident
+def _recycle_needs(needs, config, held, d):  # drafts from its table: no layer must stay resident
     needs.max_tree_tokens = (d.total_tokens or RECYCLE_TOKENS) + 1
 
 
-def _eagle_needs(needs, config, itemsize, d):  # drafts from the final features: no target layer must stay
+def _eagle_needs(needs, config, held, d):  # drafts from the final features: no target layer must stay
     if d.adapters is not None:
-        _add_adapter(needs, find_adapter(d.adapters, "feature"), itemsize)
+        _add_adapter(needs, find_adapter(d.adapters, "feature"), held)
     needs.max_tree_tokens = (d.total_tokens or EAGLE_TOKENS) + 1  # a fixed tree size, not left to the budget
 
 
-def _eagle3_head_needs(needs, config, itemsize, folder: Path | None) -> bool:
+def _eagle3_head_needs(needs, config, held, folder: Path | None) -> bool:
     """The resident bytes and cache layer of the EAGLE-3 head in ``folder``; whether there is one."""
     if folder is None:
         return False
-    header = read_header(folder / "model.safetensors")
     vocab = len(json.loads((folder / "config.json").read_text()).get("vocab_subset") or [])
-    values = sum(numel(e.shape) for e in header.entries.values())
-    needs.adapter_bytes += values * itemsize
+    needs.adapter_bytes += held.bytes_of(folder / "model.safetensors")
     needs.head_rows += vocab
     needs.extra_cache_layers += 1
     return True
 
 
-def _eagle3_needs(needs, config, itemsize, d):  # drafts from three layers' states: no target layer must stay
-    _eagle3_head_needs(needs, config, itemsize, find_eagle3_folder(d.adapters))
+def _eagle3_needs(needs, config, held, d):  # drafts from three layers' states: no target layer must stay
+    _eagle3_head_needs(needs, config, held, find_eagle3_folder(d.adapters))
     needs.max_tree_tokens = (d.total_tokens or EAGLE_TOKENS) + 1
 
 
-def _adapter_needs(needs, config, itemsize, d, early_exit: bool = False, shallow: bool = False) -> list[int]:
+def _adapter_needs(needs, config, held, d, early_exit: bool = False, shallow: bool = False) -> list[int]:
     """The resident adapters' bytes; returns the draft adapter's layer (empty without adapters)."""
     layers = []
     if d.adapters is None:
         return layers
-    layers.append(_add_adapter(needs, find_draft_adapter(d.adapters, early_exit), itemsize))
+    layers.append(_add_adapter(needs, find_draft_adapter(d.adapters, early_exit), held))
     if shallow:
-        needs.shallow_layers = _add_adapter(needs, find_adapter(d.adapters, "shallow"), itemsize)
+        needs.shallow_layers = _add_adapter(needs, find_adapter(d.adapters, "shallow"), held)
     return layers
 
 
@@ -340,8 +353,8 @@ def _speculation_needs(needs, kind: str) -> None:
     needs.max_tree_tokens = max(needs.pass_sizes)
 
 
-def _early_exit_needs(needs, config, itemsize, d):
-    layers = _adapter_needs(needs, config, itemsize, d, early_exit=True)
+def _early_exit_needs(needs, config, held, d):
+    layers = _adapter_needs(needs, config, held, d, early_exit=True)
     needs.min_resident_layers = _draft_layers(layers, config, d)
     if d.num_draft_tokens is not None:
         needs.max_tree_tokens = d.num_draft_tokens + 1
@@ -349,8 +362,8 @@ def _early_exit_needs(needs, config, itemsize, d):
         _speculation_needs(needs, "chain")
 
 
-def _tree_needs(needs, config, itemsize, d, shallow: bool = False):
-    layers = _adapter_needs(needs, config, itemsize, d, shallow=shallow)
+def _tree_needs(needs, config, held, d, shallow: bool = False):
+    layers = _adapter_needs(needs, config, held, d, shallow=shallow)
     needs.min_resident_layers = _draft_layers(layers, config, d)
     if d.total_tokens is not None:
         needs.max_tree_tokens = (2 * d.total_tokens if shallow else d.total_tokens) + 1  # cats: + corrections
@@ -358,18 +371,18 @@ def _tree_needs(needs, config, itemsize, d, shallow: bool = False):
         _speculation_needs(needs, "cascade" if shallow else "tree")
 
 
-def _cats_needs(needs, config, itemsize, d):
-    _tree_needs(needs, config, itemsize, d, shallow=True)
+def _cats_needs(needs, config, held, d):
+    _tree_needs(needs, config, held, d, shallow=True)
 
 
-def _all_layer_needs(needs, config, itemsize, d):  # they draft through every layer: all of them must stay resident
-    _adapter_needs(needs, config, itemsize, d)
+def _all_layer_needs(needs, config, held, d):  # they draft through every layer: all of them must stay resident
+    _adapter_needs(needs, config, held, d)
     needs.min_resident_layers = config.num_hidden_layers
 
 
-def _dytc_needs(needs, config, itemsize, d):  # layer skipping only where every layer stays resident (`_dytc`)
-    head = _eagle3_head_needs(needs, config, itemsize, _dytc_eagle3_folder(d.adapters))
-    layers = [] if head else _adapter_needs(needs, config, itemsize, d)
+def _dytc_needs(needs, config, held, d):  # layer skipping only where every layer stays resident (`_dytc`)
+    head = _eagle3_head_needs(needs, config, held, _dytc_eagle3_folder(d.adapters))
+    layers = [] if head else _adapter_needs(needs, config, held, d)
     needs.min_resident_layers = _draft_layers(layers, config, d) if layers else 1  # layer 0 times its cost model
     if d.total_tokens is not None:
         needs.max_tree_tokens = d.total_tokens + 1
@@ -474,18 +487,19 @@ def make_scorer(name: str, model: LayeredModel, drafter, drafting: DraftConfig |
 
 def memory_needs(config, dtype: torch.dtype, name: str = "ar", drafting: DraftConfig | None = None,
                  context_tokens: int | None = None, prefetch: int | None = None,
-                 prompt_tokens: int | None = None) -> MemoryNeeds:
+                 prompt_tokens: int | None = None, on_blocks: bool = False) -> MemoryNeeds:
     """What method ``name`` needs resident besides the weights: the layers every draft step runs (``[0, L_d)``; all
     of them for layer-skip and dytc), its adapters, and the largest pass it verifies (the largest speculation bucket
     when the tree size is left to the budget). The cascade's shallow layers ``[L_d, L_sv)`` run once per pass: they
     stay resident when the budget allows (as many layers as fit always do) and stream otherwise. ``prefetch``: layers
-    read ahead; None: `DEFAULT_PREFETCH`, or fewer where the budget cannot hold their buffers otherwise."""
+    read ahead; None: `DEFAULT_PREFETCH`, or fewer where the budget cannot hold their buffers otherwise.
+    ``on_blocks``: the model computes on GGUF blocks, where adapters hold their matrices as their files store them."""
     entry, d = method(name), drafting or DraftConfig()
     d.validate()
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+    held = HeldAs(torch.empty(0, dtype=dtype).element_size(), stored_matrices=on_blocks)
     context = int(getattr(config, "max_position_embeddings", 0) or DEFAULT_CONTEXT_TOKENS)
     needs = MemoryNeeds(context_tokens=context_tokens or min(DEFAULT_CONTEXT_TOKENS, context),
                         prefetch=DEFAULT_PREFETCH if prefetch is None else prefetch, prefetch_fixed=prefetch is not None,
                         prompt_tokens=prompt_tokens)
-    entry.needs(needs, config, itemsize, d)
+    entry.needs(needs, config, held, d)
     return needs

@@ -27,7 +27,7 @@ def export_head(folder: str | Path, model: LayeredModel, engine: str, out: str |
         raise InvalidArgumentError(f"--to must be one of {', '.join(ENGINES)}, got {engine!r}")
     if dtype not in DTYPES:
         raise InvalidArgumentError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    head = load_eagle3_head(folder, model)
+    head = load_eagle3_head(folder, model, on_blocks=False)  # the weights as tensors, whatever the model runs on
     if engine == "llama.cpp":
         return write_gguf(head, model, Path(out), dtype)
     return write_hf_folder(head, model, engine, Path(out), dtype)

@@ -40,7 +40,7 @@ from cats.model.kernels.layer_forward import (
     lean_layer_forward,
     lean_unsupported,
 )
-from cats.model.kernels.gguf_modules import dequantize_linears
+from cats.model.kernels.gguf_modules import dequantize_linears, stored_linears
 from cats.model.kernels.packing import pack_module
 from cats.model.layered import LayeredModel
 
@@ -114,7 +114,8 @@ class Adapter(DraftVocabulary, nn.Module):
     ``cache_layer`` is the index of the adapter's own K/V in a `KVCache` made by
     ``model.new_cache(extra_layers=...)``: cropping the target's cache crops the adapter's in the same step."""
 
-    def __init__(self, config: AdapterConfig, model: LayeredModel, cache_layer: int | None = None):
+    def __init__(self, config: AdapterConfig, model: LayeredModel, cache_layer: int | None = None,
+                 from_file: bool = False):
         super().__init__()
         config.validate()
         features = config.reads_features
@@ -128,19 +129,25 @@ class Adapter(DraftVocabulary, nn.Module):
         self._cache_layer = model.num_layers if cache_layer is None else cache_layer
         last = model.num_layers - 1
         source = model.layers[last] if config.init == "copy" or features else model.layers[config.layer]
-        self.block = dequantize_linears(copy.deepcopy(source))  # float, trainable, whatever the target runs on
+        # float, trainable, whatever the target runs on; ``from_file``: its parameters are made on the meta device, to
+        # be assigned from a file (no float copy of a resident target layer is made first)
+        memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad) for p in source.parameters()}
+        self.block = dequantize_linears(copy.deepcopy(source, memo if from_file else None))
         if config.init == "random":
             self.block.apply(model.hf_model._init_weights)
         self.cache_layer = self.cache_layer  # its K/V go to the adapter's own cache layer (see the property)
         if config.block == "attention":
             self.block.mlp = _NoMLP()
-        self.norm = copy.deepcopy(model.decoder.norm)
+        norm = model.decoder.norm
+        memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad) for p in norm.parameters()}
+        self.norm = copy.deepcopy(norm, memo if from_file else None)
         # attention kind (and rotary) of the layer it replaces (a feature adapter: of the last layer)
         self.kind = model.layer_types[last if features else config.layer]
         self.fc = None  # feature adapters: [f_t, e(x_{t+1}) or h_L(x_{t+1})] (2H) -> H, see _init_fc
         if features:
             size = model.config.hidden_size
-            self.fc = nn.Linear(2 * size, size, bias=True, dtype=self.norm.weight.dtype)  # new_adapter initialises it
+            self.fc = nn.Linear(2 * size, size, bias=True, dtype=norm.weight.dtype,  # new_adapter initialises it
+                                device="meta" if from_file else None)
         self.block.requires_grad_(True)
         self.norm.requires_grad_(True)
         subset = config.vocab_subset
@@ -211,7 +218,7 @@ class Adapter(DraftVocabulary, nn.Module):
         """The block on ``hidden`` through the whole-layer kernel (on a copy: it works in place), appending to
         ``cache``; None where it does not run (the caller then takes the lean forward)."""
         model = self.target
-        if not (self._packed and model.lean and not model.exact_attention and not self.training and self._fused_block()
+        if not ((self._packed or model.on_blocks) and model.lean and not model.exact_attention and not self.training and self._fused_block()
                 and fused_ready(hidden, attention_mask, rotary, self.block.self_attn.head_dim)):
             return None
         out = hidden.clone(memory_format=torch.contiguous_format)
@@ -306,8 +313,10 @@ def new_adapter(model: LayeredModel, role: str, layer: int, block: str = "decode
 
 
 def load_adapter(folder: str | Path, model: LayeredModel, role: str | None = None, layer: int | None = None,
-                 cache_layer: int | None = None) -> Adapter:
-    """Load an adapter folder onto ``model``; refuse one trained for another model, role or layer."""
+                 cache_layer: int | None = None, on_blocks: bool | None = None) -> Adapter:
+    """Load an adapter folder onto ``model``; refuse one trained for another model, role or layer. ``on_blocks``:
+    whether its linears compute on the kernels as the file stores them (`stored_linears`); None: where the model
+    computes on GGUF blocks; False: float linears in the model's dtype."""
     folder = Path(folder)
     config = read_adapter_config(folder)
     weights_file = folder / "model.safetensors"
@@ -324,7 +333,7 @@ def load_adapter(folder: str | Path, model: LayeredModel, role: str | None = Non
     if config.vocab_subset is not None and not all(0 <= i < model.vocab_size for i in config.vocab_subset):
         raise AdapterError(f"{folder / 'config.json'}: its vocab_subset holds token ids outside [0, {model.vocab_size}) "
                            f"of {model.name!r}; {REPAIR}")
-    adapter = Adapter(config, model, cache_layer)
+    adapter = Adapter(config, model, cache_layer, from_file=True)
     try:
         state = load_file(str(weights_file))
         # assign: the block was copied from a target layer, which streams (meta parameters) under a memory budget
@@ -334,6 +343,8 @@ def load_adapter(folder: str | Path, model: LayeredModel, role: str | None = Non
     if missing or unexpected:
         raise AdapterError(f"{weights_file} does not match the adapter's block: missing tensor(s) {missing}, "
                            f"unexpected {unexpected}; {REPAIR}")
+    if model.on_blocks if on_blocks is None else on_blocks:  # bfloat16 linears: half the bytes of float32 copies
+        stored_linears(adapter)
     return adapter.to(model.dtype).eval().requires_grad_(False)
 
 

@@ -21,6 +21,7 @@ the EAGLE-3 checkpoints (``fc.weight``, ``midlayer.*``, ``norm.weight``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ from cats.model.decoder import DecoderMLP, DecoderRMSNorm, DecoderRotaryEmbeddin
 from cats.model.draft_vocabulary import DraftVocabulary
 from cats.model.files import check_safetensors, first_line
 from cats.model.identity import model_identity
+from cats.model.kernels.gguf_modules import stored_linears
 from cats.model.layered import LayeredModel
 
 FORMAT = "cats-eagle3/1"
@@ -139,7 +141,8 @@ class Eagle3Head(DraftVocabulary, nn.Module):
     ``cache_layer`` is the index of its K/V in a `KVCache` made by ``model.new_cache(extra_layers=1)``, so that
     cropping the target's cache crops the head's in the same step."""
 
-    def __init__(self, config: Eagle3Config, model: LayeredModel, cache_layer: int | None = None):
+    def __init__(self, config: Eagle3Config, model: LayeredModel, cache_layer: int | None = None,
+                 from_file: bool = False):
         super().__init__()
         config.validate(model.num_layers)
         if config.hidden_size != model.config.hidden_size or config.vocab_size != model.vocab_size:
@@ -150,9 +153,11 @@ class Eagle3Head(DraftVocabulary, nn.Module):
         self.cache_layer = model.num_layers if cache_layer is None else cache_layer
         self.kind = KIND
         size = config.hidden_size
-        self.fc = nn.Linear(3 * size, size, bias=False)
-        self.midlayer = _MidLayer(config)
-        self.norm = DecoderRMSNorm(size, eps=config.rms_norm_eps)
+        # ``from_file``: the parameters are made on the meta device, to be assigned from a file (no float copy first)
+        with torch.device("meta") if from_file else contextlib.nullcontext():
+            self.fc = nn.Linear(3 * size, size, bias=False)
+            self.midlayer = _MidLayer(config)
+            self.norm = DecoderRMSNorm(size, eps=config.rms_norm_eps)
         self.__dict__["rotary"] = DecoderRotaryEmbedding(config.llama_config())  # no parameters: not in the state
         subset = config.vocab_subset
         self.register_buffer("vocab_ids", torch.tensor(subset, dtype=torch.long) if subset else None, persistent=False)
@@ -299,8 +304,11 @@ def _offset_norm(model: LayeredModel) -> bool:
     return model.config.model_type.startswith("gemma")
 
 
-def load_eagle3_head(folder: str | Path, model: LayeredModel, cache_layer: int | None = None) -> Eagle3Head:
-    """Load a head folder onto ``model``; refuse one trained for another model."""
+def load_eagle3_head(folder: str | Path, model: LayeredModel, cache_layer: int | None = None,
+                     on_blocks: bool | None = None) -> Eagle3Head:
+    """Load a head folder onto ``model``; refuse one trained for another model. ``on_blocks``: whether its linears
+    compute on the kernels as the file stores them (`stored_linears`); None: where the model computes on GGUF blocks;
+    False: float linears in the model's dtype (export reads their weights)."""
     folder = Path(folder)
     config = read_eagle3_config(folder)
     base, here = config.base_model, model_identity(model)
@@ -310,14 +318,16 @@ def load_eagle3_head(folder: str | Path, model: LayeredModel, cache_layer: int |
     if config.vocab_subset is not None and not all(0 <= i < model.vocab_size for i in config.vocab_subset):
         raise Eagle3Error(f"{folder / 'config.json'}: its vocab_subset holds token ids outside [0, {model.vocab_size}); "
                           f"{REPAIR}")
-    head = Eagle3Head(config, model, cache_layer)
+    head = Eagle3Head(config, model, cache_layer, from_file=True)
     weights = folder / "model.safetensors"
     try:
-        missing, unexpected = head.load_state_dict(load_file(str(weights)), strict=False)
+        missing, unexpected = head.load_state_dict(load_file(str(weights)), strict=False, assign=True)
     except (SafetensorError, RuntimeError, OSError, ValueError) as error:
         raise Eagle3Error(f"{weights} does not fit the head ({first_line(error)}); {REPAIR}") from None
     if missing or unexpected:
         raise Eagle3Error(f"{weights} does not match the head: missing {missing}, unexpected {unexpected}; {REPAIR}")
+    if model.on_blocks if on_blocks is None else on_blocks:  # bfloat16 linears: half the bytes of float32 copies
+        stored_linears(head)
     return head.to(model.dtype).eval().requires_grad_(False)
 
 

@@ -147,6 +147,11 @@ class LayeredModel:
         return self.decoder.embed_tokens.blocks.device if self._gguf else self.decoder.embed_tokens.weight.device
 
     @property
+    def on_blocks(self) -> bool:
+        """Whether the linears compute on a GGUF file's blocks (`cats.model.kernels.gguf_modules`)."""
+        return self._gguf
+
+    @property
     def kernel_attention(self) -> bool:
         """Whether attention over few tokens runs on the row-invariant AVX-512 kernel (packed models and models on
         GGUF blocks: their linears are row-invariant too, so speculative output equals plain output bit for bit)."""

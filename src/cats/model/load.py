@@ -123,22 +123,26 @@ def load_model(
     return layered
 
 
-def runnable_gguf(model, kernels: str, float_settings: bool):
+def runnable_gguf(model, kernels: str, float_settings: bool, quiet: bool = False):
     """The GGUF file to run on its blocks (``kernels`` ``auto`` and the kernels take it), else None, with a notice
-    where the float path runs it instead: the kernels cannot, or ``float_settings`` (a dtype other than float32, or
-    packed weights: settings of float weights)."""
+    (unless ``quiet``) where the float path runs it instead: the kernels cannot, or ``float_settings`` (a dtype other
+    than float32, or packed weights: settings of float weights)."""
     if kernels not in ("auto", "aten"):
         raise InvalidArgumentError(f"kernels must be 'auto' or 'aten', got {kernels!r}")
     gguf = gguf_file(model) if kernels == "auto" else None
     if gguf is None:
         return None
     if float_settings:
+        if quiet:
+            return None
         notice(f"--dtype and --pack-weights are settings of float weights; running {gguf.name} dequantised to them "
                "(as --kernels aten)")
         return None
     try:
         check_runnable(gguf_metadata(gguf))
     except Unsupported as why:
+        if quiet:
+            return None
         notice(f"{why}; running {gguf.name} on dequantised float weights (as --kernels aten)")
         return None
     return gguf

@@ -177,6 +177,26 @@ def dequantize_linears(module: nn.Module) -> nn.Module:
     return module
 
 
+STORED_FLOAT_TYPES = {dtype: code for code, dtype in FLOAT_TYPES.items()}  # torch dtype -> its GGUF type code
+
+
+def stored_linears(module: nn.Module) -> int:
+    """Replace every float ``nn.Linear`` inside ``module`` by a `GGUFLinear` over its own weight's bytes (F32, F16 or
+    BF16 rows: no copy, no rounding), in place; returns how many. A trained adapter loaded onto a model on GGUF blocks
+    computes on the kernels in the dtype its file stores (bfloat16 adapters: half the bytes of float32 copies, and
+    half the bytes every draft step reads)."""
+    replaced = 0
+    for name, child in list(module.named_modules()):
+        if not name or not isinstance(child, nn.Linear) or child.weight.dtype not in STORED_FLOAT_TYPES:
+            continue
+        weight = child.weight.detach().contiguous()
+        rows = weight.view(torch.uint8).reshape(weight.shape[0], -1)
+        bias = None if child.bias is None else child.bias.detach()
+        module.set_submodule(name, GGUFLinear(rows, STORED_FLOAT_TYPES[weight.dtype], child.in_features, bias))
+        replaced += 1
+    return replaced
+
+
 def kernel_path() -> str:
     """What the quantised linears run on here, for reports: ``avx512``/``avx2`` kernels, or why none."""
     reason = quantized.unavailable()
