@@ -19,7 +19,7 @@ import cats
 import cats.cli
 from cats.cli import main
 from cats.errors import CatsError, DamagedFileError, NoTokenizerError
-from cats.methods import HeldAs, adapter_bytes
+from cats.method_needs import HeldAs, adapter_bytes
 from cats.model import load_model
 from cats.model.adapter import (
     AdapterError,

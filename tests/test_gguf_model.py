@@ -19,7 +19,7 @@ from cats.loop.generator import Generator
 from cats.model import gguf_model
 from cats.model.gguf_names import shared_name_maps
 from cats.model.kernels import avx512, quantized
-from cats.methods import HeldAs
+from cats.method_needs import HeldAs
 from cats.model.adapter import load_adapter, new_adapter
 from cats.model.kernels.gguf_modules import STORED_FLOAT_TYPES, GGUFEmbedding, GGUFLinear, stored_linears
 from cats.model.source import gguf_metadata

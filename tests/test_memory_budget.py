@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from cats.errors import InvalidArgumentError
 from cats.model.weights.budget import (BudgetTooSmallError, MemoryNeeds, PartSizes, kv_cache_bytes, parse_budget, plan_memory)
 from cats.draft.sizing import BUCKETS, choose_bucket, streamed_pass_s
-from tests.conftest import tiny_model
+from tests.conftest import tiny_config, tiny_model
 from cats.config import DraftConfig
-from cats.methods import HeldAs, memory_needs
+from cats.method_needs import HeldAs
+from cats.methods import memory_needs
 from cats.model.adapter import new_adapter
 from cats.model.weights.offload import plan_for
 
@@ -165,6 +167,24 @@ def test_the_budget_caps_the_tree_it_reserves():
     assert tight.needs.max_tree_tokens == BUCKETS[0].total_tokens + 1  # only the smallest bucket's activations fit
     with pytest.raises(BudgetTooSmallError, match=f"activations \\({BUCKETS[0].total_tokens + 1}-token pass\\)"):
         plan_for(model.hf_model, tight.minimum - 1, auto())
+
+
+def test_a_larger_tree_is_reserved_only_where_it_keeps_as_many_layers_resident():
+    """A budget that would hold a larger bucket's activations only by streaming more layers reserves the smallest
+    bucket, keeping those layers resident: a resident layer saves its read on every pass."""
+    config = tiny_config("llama")
+    config.num_hidden_layers = 10
+    hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+    needs = lambda total=None: memory_needs(config, torch.float64, "tree", DraftConfig(total_tokens=total),  # noqa: E731
+                                            context_tokens=32, prefetch=1)
+    smallest, largest = BUCKETS[0].total_tokens, BUCKETS[-1].total_tokens
+    budget = plan_for(hf_model, 1 << 40, needs(smallest)).with_resident(6).planned_bytes
+    assert plan_for(hf_model, budget, needs(smallest)).resident_layers == 6
+    assert plan_for(hf_model, budget, needs(largest)).resident_layers < 6  # it fits, with fewer layers resident
+    plan = plan_for(hf_model, budget, needs())
+    assert plan.resident_layers == 6 and plan.needs.max_tree_tokens == smallest + 1
+    roomy = plan_for(hf_model, 1 << 40, needs())  # where every layer stays resident, the largest
+    assert roomy.resident_layers == 10 and roomy.needs.max_tree_tokens == largest + 1
 
 
 def test_a_process_budget_plans_for_the_measured_runtime_too():

@@ -11,6 +11,7 @@ import torch
 
 from cats.methods import CONFIDENCE_STOP, make_drafter
 from cats.draft import EarlyExitDrafter
+from cats.draft.sizing import BUCKETS
 from cats.errors import InvalidArgumentError
 from cats.config import GenerationConfig
 from cats.loop.generator import Generator
@@ -250,7 +251,8 @@ def test_generate_api_under_a_budget(tmp_path):
     model.hf_model.save_pretrained(folder)
     prompt = prompts()[1]
     expected = hf_greedy(model, prompt, 12)
-    needs = memory_needs(model.config, torch.float64, "tree", DraftConfig(draft_layer=1), context_tokens=len(prompt) + 12, prompt_tokens=len(prompt))
+    smallest = DraftConfig(draft_layer=1, total_tokens=BUCKETS[0].total_tokens)  # the tree the budget then reserves
+    needs = memory_needs(model.config, torch.float64, "tree", smallest, context_tokens=len(prompt) + 12, prompt_tokens=len(prompt))
     budget = plan_for(model.hf_model, 1 << 40, needs).with_resident(2).planned_bytes
     result = cats.generate(str(folder), prompt, method="tree", generation=GenerationConfig(max_new_tokens=12), drafting=DraftConfig(draft_layer=1), memory=MemoryConfig(budget=budget), kernels=KernelConfig(dtype="float64"))
     assert result.token_ids == expected

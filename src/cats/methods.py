@@ -18,9 +18,6 @@ import torch
 from cats.config import DraftConfig
 from cats.draft.base import Drafter
 from cats.draft.dytc import make_dytc
-from cats.draft.dytc.build import LOOKUP_TOKENS as DYTC_LOOKUP_TOKENS
-from cats.draft.dytc.build import RECYCLE_TOKENS as DYTC_RECYCLE_TOKENS
-from cats.draft.eagle import TOTAL_TOKENS as EAGLE_TOKENS
 from cats.draft.eagle import FeatureDrafter
 from cats.draft.early_exit import EarlyExitDrafter, default_draft_layer
 from cats.draft.layer_skip.calibration import load_or_calibrate
@@ -29,7 +26,7 @@ from cats.draft.prompt_lookup import PromptLookupDrafter
 from cats.draft.recycle import DEPTH as RECYCLE_DEPTH
 from cats.draft.recycle import TOTAL_TOKENS as RECYCLE_TOKENS
 from cats.draft.recycle import TokenRecyclingDrafter
-from cats.draft.sizing import BUCKETS, pass_tokens, speculation_for
+from cats.draft.sizing import speculation_for
 from cats.draft.tree import TreeDrafter
 from cats.errors import InvalidArgumentError, UnknownMethodError
 from cats.model import LayeredModel
@@ -38,18 +35,28 @@ from cats.model.adapter import (
     find_adapter,
     find_draft_adapter,
     load_adapter,
-    read_adapter_config,
 )
 from cats.model.eagle3 import find_eagle3_folder, load_eagle3_head
-from cats.model.kernels.gguf_modules import STORED_FLOAT_TYPES
 from cats.model.weights.budget import (
     DEFAULT_CONTEXT_TOKENS,
     DEFAULT_PREFETCH,
     MemoryNeeds,
-    numel,
+)
+from cats.method_needs import (
+    HeldAs,
+    all_layer_needs,
+    cats_needs,
+    dytc_eagle3_folder,
+    dytc_needs,
+    eagle3_needs,
+    eagle_needs,
+    early_exit_needs,
+    no_needs,
+    pld_needs,
+    recycle_needs,
+    tree_needs,
 )
 from cats.model.weights.offload import check_resident
-from cats.model.weights.parts import read_header
 from cats.verify.cascade import make_cascade
 from cats.verify.scorer import TargetScorer
 
@@ -86,30 +93,12 @@ def _draft_adapter(adapters: str | None, model: LayeredModel, early_exit: bool =
     return load_adapter(find_draft_adapter(adapters, early_exit), model, role="draft")
 
 
-def _recorded_agreement(folder: Path) -> float | None:
-    """The held-out agreement a trained head's card records (``training.final_eval``), else None."""
-    try:
-        return float(json.loads((folder / "config.json").read_text())["training"]["final_eval"]["agreement"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _dytc_eagle3_folder(adapters: str | None) -> Path | None:
-    """The EAGLE-3 head dytc drafts with: ``DIR/eagle3/``, unless ``DIR/feature/`` records a higher held-out
-    agreement than the head does (then dytc keeps the feature adapter); None without a head."""
-    eagle3 = find_eagle3_folder(adapters)
-    if eagle3 is None:
-        return None
-    head, feature = _recorded_agreement(eagle3), _recorded_agreement(Path(adapters) / "feature")
-    return None if head is not None and feature is not None and feature > head else eagle3
-
-
 def _feature_adapter(adapters: str | None, model: LayeredModel):
-    """The feature drafter's head of an adapters folder for dytc: its EAGLE-3 head (`_dytc_eagle3_folder`), else
+    """The feature drafter's head of an adapters folder for dytc: its EAGLE-3 head (`dytc_eagle3_folder`), else
     its feature draft adapter (``DIR/feature/``, or DIR itself when it is one), else None."""
     if adapters is None:
         return None
-    if (eagle3 := _dytc_eagle3_folder(adapters)) is not None:
+    if (eagle3 := dytc_eagle3_folder(adapters)) is not None:
         return load_eagle3_head(eagle3, model)
     try:
         folder = find_adapter(adapters, "feature")
@@ -268,164 +257,34 @@ def _adapter_tree(name: str):
     return make
 
 
-# ----------------------------------------------------------------------------------------------- memory needs
-@dataclass(frozen=True)
-class HeldAs:
-    """How a loaded adapter or head holds its file's tensors: in the model's dtype (``itemsize`` bytes a value), but
-    its matrices as the file stores them where the model computes on GGUF blocks (``stored_matrices``: they become
-    kernel linears over the file's own bytes, `cats.model.kernels.gguf_modules.stored_linears`)."""
-
-    itemsize: int
-    stored_matrices: bool = False
-
-    def bytes_of(self, weights: Path) -> int:
-        """The resident bytes of the tensors in the safetensors file ``weights``."""
-        return sum(entry.end - entry.begin if self.stored_matrices and len(entry.shape) == 2
-                   and entry.dtype in STORED_FLOAT_TYPES else numel(entry.shape) * self.itemsize
-                   for entry in read_header(weights).entries.values())
-
-
-def adapter_bytes(folder: Path, held: HeldAs) -> tuple[int, int, int]:
-    """``(layer, resident bytes, head rows)`` of an adapter folder: its block and norm as ``held``, and the number of
-    lm_head rows it gathers once for a reduced draft vocabulary (the plan prices them as the head holds its rows:
-    `cats.model.weights.budget.MemoryPlan.adapter_bytes`)."""
-    config = read_adapter_config(Path(folder))  # a damaged config or weights file: a clear error naming it
-    return config.layer, held.bytes_of(Path(folder) / "model.safetensors"), len(config.vocab_subset or [])
-
-
-def _add_adapter(needs: MemoryNeeds, folder: Path, held: HeldAs) -> int:
-    """Count the adapter in ``folder`` (its bytes, head rows and KV-cache layer) in ``needs``; returns its layer."""
-    layer, size, rows = adapter_bytes(folder, held)
-    needs.adapter_bytes += size
-    needs.head_rows += rows
-    needs.extra_cache_layers += 1
-    return layer
-
-
-def _no_needs(needs: MemoryNeeds, config, held: HeldAs, d: DraftConfig) -> None:
-    pass
-
-
-def _pld_needs(needs, config, held, d):
-    needs.max_tree_tokens = (d.num_draft_tokens or 10) + 1
-
-
-def _recycle_needs(needs, config, held, d):  # drafts from its table: no layer must stay resident
-    needs.max_tree_tokens = (d.total_tokens or RECYCLE_TOKENS) + 1
-
-
-def _eagle_needs(needs, config, held, d):  # drafts from the final features: no target layer must stay
-    if d.adapters is not None:
-        _add_adapter(needs, find_adapter(d.adapters, "feature"), held)
-    needs.max_tree_tokens = (d.total_tokens or EAGLE_TOKENS) + 1  # a fixed tree size, not left to the budget
-
-
-def _eagle3_head_needs(needs, config, held, folder: Path | None) -> bool:
-    """The resident bytes and cache layer of the EAGLE-3 head in ``folder``; whether there is one."""
-    if folder is None:
-        return False
-    vocab = len(json.loads((folder / "config.json").read_text()).get("vocab_subset") or [])
-    needs.adapter_bytes += held.bytes_of(folder / "model.safetensors")
-    needs.head_rows += vocab
-    needs.extra_cache_layers += 1
-    return True
-
-
-def _eagle3_needs(needs, config, held, d):  # drafts from three layers' states: no target layer must stay
-    _eagle3_head_needs(needs, config, held, find_eagle3_folder(d.adapters))
-    needs.max_tree_tokens = (d.total_tokens or EAGLE_TOKENS) + 1
-
-
-def _adapter_needs(needs, config, held, d, early_exit: bool = False, shallow: bool = False) -> list[int]:
-    """The resident adapters' bytes; returns the draft adapter's layer (empty without adapters)."""
-    layers = []
-    if d.adapters is None:
-        return layers
-    layers.append(_add_adapter(needs, find_draft_adapter(d.adapters, early_exit), held))
-    if shallow:
-        needs.shallow_layers = _add_adapter(needs, find_adapter(d.adapters, "shallow"), held)
-    return layers
-
-
-def _speculation_needs(needs, kind: str) -> None:
-    needs.speculation = kind  # left to the budget: plan_for reserves the largest bucket that fits
-    needs.pass_sizes = tuple(pass_tokens(bucket, kind) for bucket in BUCKETS)
-    needs.max_tree_tokens = max(needs.pass_sizes)
-
-
-def _early_exit_needs(needs, config, held, d):
-    layers = _adapter_needs(needs, config, held, d, early_exit=True)
-    needs.min_resident_layers = _draft_layers(layers, config, d)
-    if d.num_draft_tokens is not None:
-        needs.max_tree_tokens = d.num_draft_tokens + 1
-    else:
-        _speculation_needs(needs, "chain")
-
-
-def _tree_needs(needs, config, held, d, shallow: bool = False):
-    layers = _adapter_needs(needs, config, held, d, shallow=shallow)
-    needs.min_resident_layers = _draft_layers(layers, config, d)
-    if d.total_tokens is not None:
-        needs.max_tree_tokens = (2 * d.total_tokens if shallow else d.total_tokens) + 1  # cats: + corrections
-    else:
-        _speculation_needs(needs, "cascade" if shallow else "tree")
-
-
-def _cats_needs(needs, config, held, d):
-    _tree_needs(needs, config, held, d, shallow=True)
-
-
-def _all_layer_needs(needs, config, held, d):  # they draft through every layer: all of them must stay resident
-    _adapter_needs(needs, config, held, d)
-    needs.min_resident_layers = config.num_hidden_layers
-
-
-def _dytc_needs(needs, config, held, d):  # layer skipping only where every layer stays resident (`_dytc`)
-    head = _eagle3_head_needs(needs, config, held, _dytc_eagle3_folder(d.adapters))
-    layers = [] if head else _adapter_needs(needs, config, held, d)
-    needs.min_resident_layers = _draft_layers(layers, config, d) if layers else 1  # layer 0 times its cost model
-    if d.total_tokens is not None:
-        needs.max_tree_tokens = d.total_tokens + 1
-    elif d.adapters is None:  # lookup and recycling: their largest pass, a lookup chain grafted on a recycling tree
-        needs.max_tree_tokens = DYTC_LOOKUP_TOKENS + DYTC_RECYCLE_TOKENS + 1
-    else:
-        _speculation_needs(needs, "tree")
-
-
-def _draft_layers(layers: list[int], config, d: DraftConfig) -> int:
-    if not layers:
-        layers = [d.draft_layer if d.draft_layer is not None else max(1, config.num_hidden_layers // 8)]
-    return min(max(layers), config.num_hidden_layers)
-
-
 # ----------------------------------------------------------------------------------------------- the registry
 _TREE = frozenset({"draft_layer", "adapters", "threshold", "tree_topk", "total_tokens", "depth"})
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("ar", "plain decoding", _ar, _no_needs),
-    Method("pld", "prompt lookup", _pld, _pld_needs, frozenset({"num_draft_tokens", "max_ngram"})),
-    Method("early-exit", "chain from the early exit", _early_exit, _early_exit_needs,
+    Method("ar", "plain decoding", _ar, no_needs),
+    Method("pld", "prompt lookup", _pld, pld_needs, frozenset({"num_draft_tokens", "max_ngram"})),
+    Method("early-exit", "chain from the early exit", _early_exit, early_exit_needs,
            frozenset({"num_draft_tokens", "draft_layer", "adapters", "threshold"}), CONFIDENCE_STOP),
-    Method("tree", "dynamic draft tree from the early exit", _tree, _tree_needs, _TREE, CONFIDENCE_STOP),
+    Method("tree", "dynamic draft tree from the early exit", _tree, tree_needs, _TREE, CONFIDENCE_STOP),
     Method("cats", "draft adapter + tree + shallow-verifier cascade; needs --adapters", _adapter_tree("cats"),
-           _cats_needs, _TREE | {"sv_threshold", "sv_passes"}, CONFIDENCE_STOP, cascade=True),
+           cats_needs, _TREE | {"sv_threshold", "sv_passes"}, CONFIDENCE_STOP, cascade=True),
     Method("cats-no-shallow", "cats without the shallow-verifier cascade", _adapter_tree("cats-no-shallow"),
-           _tree_needs, _TREE, CONFIDENCE_STOP),
-    Method("layer-skip", "calibrated sublayers skipped", _layer_skip, _all_layer_needs,
+           tree_needs, _TREE, CONFIDENCE_STOP),
+    Method("layer-skip", "calibrated sublayers skipped", _layer_skip, all_layer_needs,
            frozenset({"num_draft_tokens", "threshold", "sparsity"}), all_layers=True),
     Method("dytc", "scheduler over prompt lookup, token recycling, layer skipping and, with --adapters, the draft "
-           "adapter", _dytc, _dytc_needs, frozenset({"num_draft_tokens", "max_ngram", "adapters", "tree_topk",
+           "adapter", _dytc, dytc_needs, frozenset({"num_draft_tokens", "max_ngram", "adapters", "tree_topk",
                                                       "total_tokens", "depth", "sparsity"})),
     Method("dytc-free", "dytc over the training-free drafters only (prompt lookup, token recycling, layer "
-           "skipping): the baseline of the adapter methods", _dytc_free, _dytc_needs,
+           "skipping): the baseline of the adapter methods", _dytc_free, dytc_needs,
            frozenset({"num_draft_tokens", "max_ngram", "tree_topk", "total_tokens", "depth", "sparsity"})),
     Method("eagle", "trees from the feature draft adapter in --adapters, which reads the target's final features; "
-           "chain: --tree-topk 1", _eagle, _eagle_needs,
+           "chain: --tree-topk 1", _eagle, eagle_needs,
            frozenset({"adapters", "threshold", "tree_topk", "total_tokens", "depth"}), CONFIDENCE_STOP),
     Method("eagle3", "trees from the EAGLE-3 head in --adapters (DIR/eagle3/), which reads three target layers' "
-           "states; chain: --tree-topk 1", _eagle3, _eagle3_needs,
+           "states; chain: --tree-topk 1", _eagle3, eagle3_needs,
            frozenset({"adapters", "threshold", "tree_topk", "total_tokens", "depth"}), CONFIDENCE_STOP),
     Method("recycle", "token recycling: training-free trees from the target's own recent candidates", _recycle,
-           _recycle_needs, frozenset({"total_tokens", "depth"})),
+           recycle_needs, frozenset({"total_tokens", "depth"})),
 )}
 
 

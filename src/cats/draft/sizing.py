@@ -10,7 +10,8 @@ buckets (tree nodes, depth, children per node, chain length) are compared once, 
 * the largest bucket whose pass costs at most ``NEARLY_FREE`` more than a one-token pass wins (the smallest when
   none does): beyond it a bigger tree makes every pass slower and only the acceptance it adds would pay for it;
 * only buckets whose activations the memory plan reserved are candidates: the planner reserves the largest bucket
-  that still fits the budget (`cats.model.weights.offload.plan_for`), so a tight budget caps the tree.
+  that fits the budget without costing a resident layer (`cats.model.weights.offload.plan_for`), so a tight budget
+  caps the tree.
 
 Without a budget (or when nothing streams) the first bucket is used: the defaults of ``tree`` and ``early-exit``.
 """

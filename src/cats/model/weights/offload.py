@@ -53,20 +53,33 @@ def plan_for(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: lis
     ``stored_layers``: each decoder layer's bytes in the layer store, where it holds quantised blocks.
 
     When the draft size is left to the budget (``needs.pass_sizes``), the largest speculation bucket whose
-    activations still fit is reserved (``needs.max_tree_tokens`` is set to it). When the read-ahead is left to it
-    too (``needs.prefetch_fixed`` False) and no bucket fits with it, fewer layers are read ahead, down to one
-    (``needs.prefetch`` is set to what fits): a budget that cannot hold a third stream buffer runs with two instead
-    of refusing. The error for a budget too small names the minimum with the least of both."""
-    sizes = sorted(needs.pass_sizes, reverse=True) or [needs.max_tree_tokens]
+    activations fit without taking a resident layer from the smallest bucket's plan is reserved
+    (``needs.max_tree_tokens`` is set to it): a resident layer saves its read on every pass, where a larger tree
+    only adds the tokens it gets accepted (Qwen2.5-Coder-1.5B at 914 MiB: reserving `cats`'s largest tree kept 2
+    layers resident against 13 for `ar`, and the tree it then chose was smaller; docs/memory.md). When the read-ahead
+    is left to the budget too (``needs.prefetch_fixed`` False) and not even the smallest bucket fits with it, fewer
+    layers are read ahead, down to one (``needs.prefetch`` is set to what fits): a budget that cannot hold a third
+    stream buffer runs with two instead of refusing. The error for a budget too small names the minimum with the
+    least of both."""
+    sizes = sorted(needs.pass_sizes) or [needs.max_tree_tokens]
     depths = [needs.prefetch] if needs.prefetch_fixed else list(range(needs.prefetch, 0, -1)) or [needs.prefetch]
     error = None
     for prefetch in depths:
-        for tokens in sizes:
-            needs.max_tree_tokens, needs.prefetch = tokens, prefetch
+        needs.prefetch = prefetch
+        chosen, resident = None, None
+        for tokens in sizes:  # smallest first: a larger pass only where it keeps as many layers resident
+            needs.max_tree_tokens = tokens
             try:
-                return _plan(hf_model, budget, needs, stored_layers)
+                plan = _plan(hf_model, budget, needs, stored_layers)
             except BudgetTooSmallError as too_small:
-                error = too_small
+                error = too_small if chosen is None else error  # the smallest does not fit: the next read-ahead
+                break
+            if resident is not None and plan.resident_layers < resident:
+                break
+            chosen, resident = tokens, plan.resident_layers
+        if chosen is not None:
+            needs.max_tree_tokens = chosen
+            return _plan(hf_model, budget, needs, stored_layers)
     raise error
 
 

@@ -1,0 +1,168 @@
+"""What each method needs resident under a memory budget (`MemoryNeeds`): the layers its draft steps run, its adapters
+as the model will hold them (`HeldAs`), and the largest pass it verifies; the registry (`cats.methods`) names one
+of these per method."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from cats.config import DraftConfig
+from cats.draft.dytc.build import LOOKUP_TOKENS as DYTC_LOOKUP_TOKENS
+from cats.draft.dytc.build import RECYCLE_TOKENS as DYTC_RECYCLE_TOKENS
+from cats.draft.eagle import TOTAL_TOKENS as EAGLE_TOKENS
+from cats.draft.recycle import TOTAL_TOKENS as RECYCLE_TOKENS
+from cats.draft.sizing import BUCKETS, pass_tokens
+from cats.model.adapter import find_adapter, find_draft_adapter, read_adapter_config
+from cats.model.eagle3 import find_eagle3_folder
+from cats.model.kernels.gguf_modules import STORED_FLOAT_TYPES
+from cats.model.weights.budget import MemoryNeeds, numel
+from cats.model.weights.parts import read_header
+
+
+def _recorded_agreement(folder: Path) -> float | None:
+    """The held-out agreement a trained head's card records (``training.final_eval``), else None."""
+    try:
+        return float(json.loads((folder / "config.json").read_text())["training"]["final_eval"]["agreement"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def dytc_eagle3_folder(adapters: str | None) -> Path | None:
+    """The EAGLE-3 head dytc drafts with: ``DIR/eagle3/``, unless ``DIR/feature/`` records a higher held-out
+    agreement than the head does (then dytc keeps the feature adapter); None without a head."""
+    eagle3 = find_eagle3_folder(adapters)
+    if eagle3 is None:
+        return None
+    head, feature = _recorded_agreement(eagle3), _recorded_agreement(Path(adapters) / "feature")
+    return None if head is not None and feature is not None and feature > head else eagle3
+
+
+@dataclass(frozen=True)
+class HeldAs:
+    """How a loaded adapter or head holds its file's tensors: in the model's dtype (``itemsize`` bytes a value), but
+    its matrices as the file stores them where the model computes on GGUF blocks (``stored_matrices``: they become
+    kernel linears over the file's own bytes, `cats.model.kernels.gguf_modules.stored_linears`)."""
+
+    itemsize: int
+    stored_matrices: bool = False
+
+    def bytes_of(self, weights: Path) -> int:
+        """The resident bytes of the tensors in the safetensors file ``weights``."""
+        return sum(entry.end - entry.begin if self.stored_matrices and len(entry.shape) == 2
+                   and entry.dtype in STORED_FLOAT_TYPES else numel(entry.shape) * self.itemsize
+                   for entry in read_header(weights).entries.values())
+
+
+def adapter_bytes(folder: Path, held: HeldAs) -> tuple[int, int, int]:
+    """``(layer, resident bytes, head rows)`` of an adapter folder: its block and norm as ``held``, and the number of
+    lm_head rows it gathers once for a reduced draft vocabulary (the plan prices them as the head holds its rows:
+    `cats.model.weights.budget.MemoryPlan.adapter_bytes`)."""
+    config = read_adapter_config(Path(folder))  # a damaged config or weights file: a clear error naming it
+    return config.layer, held.bytes_of(Path(folder) / "model.safetensors"), len(config.vocab_subset or [])
+
+
+def _add_adapter(needs: MemoryNeeds, folder: Path, held: HeldAs) -> int:
+    """Count the adapter in ``folder`` (its bytes, head rows and KV-cache layer) in ``needs``; returns its layer."""
+    layer, size, rows = adapter_bytes(folder, held)
+    needs.adapter_bytes += size
+    needs.head_rows += rows
+    needs.extra_cache_layers += 1
+    return layer
+
+
+def no_needs(needs: MemoryNeeds, config, held: HeldAs, d: DraftConfig) -> None:
+    pass
+
+
+def pld_needs(needs, config, held, d):
+    needs.max_tree_tokens = (d.num_draft_tokens or 10) + 1
+
+
+def recycle_needs(needs, config, held, d):  # drafts from its table: no layer must stay resident
+    needs.max_tree_tokens = (d.total_tokens or RECYCLE_TOKENS) + 1
+
+
+def eagle_needs(needs, config, held, d):  # drafts from the final features: no target layer must stay
+    if d.adapters is not None:
+        _add_adapter(needs, find_adapter(d.adapters, "feature"), held)
+    needs.max_tree_tokens = (d.total_tokens or EAGLE_TOKENS) + 1  # a fixed tree size, not left to the budget
+
+
+def _eagle3_head_needs(needs, config, held, folder: Path | None) -> bool:
+    """The resident bytes and cache layer of the EAGLE-3 head in ``folder``; whether there is one."""
+    if folder is None:
+        return False
+    vocab = len(json.loads((folder / "config.json").read_text()).get("vocab_subset") or [])
+    needs.adapter_bytes += held.bytes_of(folder / "model.safetensors")
+    needs.head_rows += vocab
+    needs.extra_cache_layers += 1
+    return True
+
+
+def eagle3_needs(needs, config, held, d):  # drafts from three layers' states: no target layer must stay
+    _eagle3_head_needs(needs, config, held, find_eagle3_folder(d.adapters))
+    needs.max_tree_tokens = (d.total_tokens or EAGLE_TOKENS) + 1
+
+
+def _adapter_needs(needs, config, held, d, early_exit: bool = False, shallow: bool = False) -> list[int]:
+    """The resident adapters' bytes; returns the draft adapter's layer (empty without adapters)."""
+    layers = []
+    if d.adapters is None:
+        return layers
+    layers.append(_add_adapter(needs, find_draft_adapter(d.adapters, early_exit), held))
+    if shallow:
+        needs.shallow_layers = _add_adapter(needs, find_adapter(d.adapters, "shallow"), held)
+    return layers
+
+
+def _speculation_needs(needs, kind: str) -> None:
+    needs.speculation = kind  # left to the budget: plan_for reserves a bucket (`cats.model.weights.offload.plan_for`)
+    needs.pass_sizes = tuple(pass_tokens(bucket, kind) for bucket in BUCKETS)
+    needs.max_tree_tokens = max(needs.pass_sizes)
+
+
+def early_exit_needs(needs, config, held, d):
+    layers = _adapter_needs(needs, config, held, d, early_exit=True)
+    needs.min_resident_layers = _draft_layers(layers, config, d)
+    if d.num_draft_tokens is not None:
+        needs.max_tree_tokens = d.num_draft_tokens + 1
+    else:
+        _speculation_needs(needs, "chain")
+
+
+def tree_needs(needs, config, held, d, shallow: bool = False):
+    layers = _adapter_needs(needs, config, held, d, shallow=shallow)
+    needs.min_resident_layers = _draft_layers(layers, config, d)
+    if d.total_tokens is not None:
+        needs.max_tree_tokens = (2 * d.total_tokens if shallow else d.total_tokens) + 1  # cats: + corrections
+    else:
+        _speculation_needs(needs, "cascade" if shallow else "tree")
+
+
+def cats_needs(needs, config, held, d):
+    tree_needs(needs, config, held, d, shallow=True)
+
+
+def all_layer_needs(needs, config, held, d):  # they draft through every layer: all of them must stay resident
+    _adapter_needs(needs, config, held, d)
+    needs.min_resident_layers = config.num_hidden_layers
+
+
+def dytc_needs(needs, config, held, d):  # layer skipping only where every layer stays resident (`_dytc`)
+    head = _eagle3_head_needs(needs, config, held, dytc_eagle3_folder(d.adapters))
+    layers = [] if head else _adapter_needs(needs, config, held, d)
+    needs.min_resident_layers = _draft_layers(layers, config, d) if layers else 1  # layer 0 times its cost model
+    if d.total_tokens is not None:
+        needs.max_tree_tokens = d.total_tokens + 1
+    elif d.adapters is None:  # lookup and recycling: their largest pass, a lookup chain grafted on a recycling tree
+        needs.max_tree_tokens = DYTC_LOOKUP_TOKENS + DYTC_RECYCLE_TOKENS + 1
+    else:
+        _speculation_needs(needs, "tree")
+
+
+def _draft_layers(layers: list[int], config, d: DraftConfig) -> int:
+    if not layers:
+        layers = [d.draft_layer if d.draft_layer is not None else max(1, config.num_hidden_layers // 8)]
+    return min(max(layers), config.num_hidden_layers)
