@@ -171,7 +171,7 @@ class Eagle3Head(DraftVocabulary, nn.Module):
 
     def features(self, states: dict[int, torch.Tensor]) -> torch.Tensor:
         """The fused state g ``[..., H]`` of positions whose target states after each aux layer are ``states``."""
-        aux = torch.cat([states[layer].to(self.fc.weight.dtype) for layer in self.config.aux_layers], dim=-1)
+        aux = torch.cat([states[layer].to(self.norm.weight.dtype) for layer in self.config.aux_layers], dim=-1)
         return self.fc(aux)
 
     def feature_inputs(self, g: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
