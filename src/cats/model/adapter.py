@@ -107,6 +107,15 @@ class _NoMLP(nn.Module):
         return torch.zeros_like(hidden)
 
 
+def _copy(module: nn.Module, meta_parameters: bool) -> nn.Module:
+    """A deep copy of ``module``; with ``meta_parameters`` its parameters are empty meta tensors of the same shapes
+    and dtypes (their values to be assigned from a file), so nothing is copied but the structure."""
+    if not meta_parameters:
+        return copy.deepcopy(module)
+    memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad) for p in module.parameters()}
+    return copy.deepcopy(module, memo)
+
+
 class Adapter(DraftVocabulary, nn.Module):
     """The adapter module. Its only parameters are the block's and the norm's; the target (rotary embedding,
     lm_head, masks) is referenced, not registered, so ``adapter.parameters()`` is exactly what training updates.
@@ -131,22 +140,19 @@ class Adapter(DraftVocabulary, nn.Module):
         source = model.layers[last] if config.init == "copy" or features else model.layers[config.layer]
         # float, trainable, whatever the target runs on; ``from_file``: its parameters are made on the meta device, to
         # be assigned from a file (no float copy of a resident target layer is made first)
-        memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad) for p in source.parameters()}
-        self.block = dequantize_linears(copy.deepcopy(source, memo if from_file else None))
+        self.block = dequantize_linears(_copy(source, from_file))
         if config.init == "random":
             self.block.apply(model.hf_model._init_weights)
         self.cache_layer = self.cache_layer  # its K/V go to the adapter's own cache layer (see the property)
         if config.block == "attention":
             self.block.mlp = _NoMLP()
-        norm = model.decoder.norm
-        memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad) for p in norm.parameters()}
-        self.norm = copy.deepcopy(norm, memo if from_file else None)
+        self.norm = _copy(model.decoder.norm, from_file)
         # attention kind (and rotary) of the layer it replaces (a feature adapter: of the last layer)
         self.kind = model.layer_types[last if features else config.layer]
         self.fc = None  # feature adapters: [f_t, e(x_{t+1}) or h_L(x_{t+1})] (2H) -> H, see _init_fc
         if features:
             size = model.config.hidden_size
-            self.fc = nn.Linear(2 * size, size, bias=True, dtype=norm.weight.dtype,  # new_adapter initialises it
+            self.fc = nn.Linear(2 * size, size, bias=True, dtype=self.norm.weight.dtype,  # new_adapter initialises it
                                 device="meta" if from_file else None)
         self.block.requires_grad_(True)
         self.norm.requires_grad_(True)

@@ -132,18 +132,18 @@ def runnable_gguf(model, kernels: str, float_settings: bool, quiet: bool = False
     gguf = gguf_file(model) if kernels == "auto" else None
     if gguf is None:
         return None
+    why = None
     if float_settings:
-        if quiet:
-            return None
-        notice(f"--dtype and --pack-weights are settings of float weights; running {gguf.name} dequantised to them "
+        why = (f"--dtype and --pack-weights are settings of float weights; running {gguf.name} dequantised to them "
                "(as --kernels aten)")
-        return None
-    try:
-        check_runnable(gguf_metadata(gguf))
-    except Unsupported as why:
-        if quiet:
-            return None
-        notice(f"{why}; running {gguf.name} on dequantised float weights (as --kernels aten)")
+    else:
+        try:
+            check_runnable(gguf_metadata(gguf))
+        except Unsupported as unsupported:
+            why = f"{unsupported}; running {gguf.name} on dequantised float weights (as --kernels aten)"
+    if why is not None:
+        if not quiet:
+            notice(why)
         return None
     return gguf
 

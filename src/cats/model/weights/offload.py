@@ -66,20 +66,21 @@ def plan_for(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: lis
     error = None
     for prefetch in depths:
         needs.prefetch = prefetch
-        chosen, resident = None, None
-        for tokens in sizes:  # smallest first: a larger pass only where it keeps as many layers resident
+        chosen = None  # (tokens, plan) of the largest pass that keeps as many layers resident as the smallest
+        for tokens in sizes:  # smallest first
             needs.max_tree_tokens = tokens
             try:
                 plan = _plan(hf_model, budget, needs, stored_layers)
             except BudgetTooSmallError as too_small:
-                error = too_small if chosen is None else error  # the smallest does not fit: the next read-ahead
+                if chosen is None:  # not even the smallest fits: the next read-ahead, or this error
+                    error = too_small
                 break
-            if resident is not None and plan.resident_layers < resident:
+            if chosen is not None and plan.resident_layers < chosen[1].resident_layers:
                 break
-            chosen, resident = tokens, plan.resident_layers
+            chosen = (tokens, plan)
         if chosen is not None:
-            needs.max_tree_tokens = chosen
-            return _plan(hf_model, budget, needs, stored_layers)
+            needs.max_tree_tokens = chosen[0]  # the plan holds ``needs``: it names the pass it was made for
+            return chosen[1]
     raise error
 
 
