@@ -187,8 +187,11 @@ TORCH_FROM_TOKENS = 2
 class StoredLinear(GGUFLinear):
     """A trained float linear kept as its own F32/F16/BF16 rows (`stored_linears`): one token runs on the kernels
     (reading half the bytes of float32 for BF16), more tokens on torch's matrix product in the stored dtype (the
-    input rounded to it, as in bfloat16 training). Only drafts and the cascade's filter compute on adapters, so
-    their rounding never changes the output."""
+    input rounded to it, as in bfloat16 training). Linears that `fused_gguf_linear` joins (an adapter block's q, k
+    and v) stay on the kernels at any length: one call over their joined rows is as fast as three torch products
+    (Qwen2.5-Coder's attention-only adapters, 2 threads, AVX-512: 1.39 / 1.92 ms a block for 17 / 33 tokens,
+    against 1.40 / 2.17 with each on torch). Only drafts and the cascade's filter compute on adapters, so their
+    rounding never changes the output."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.numel() // self.columns < TORCH_FROM_TOKENS:
