@@ -11,7 +11,8 @@
  * blocks of 256 values with one float scale each (the k-quants; plus the sums of every 16 quantised values), or of
  * 32 (the other types; plus d * their sum), scale = max |x| / 127, values rounded to nearest even. The dot products
  * are then exact integer sums within a block (u8 weights x s8 activations: vpmaddubsw into int16, then vpdpwssd /
- * vpmaddwd into int32; vpdpbusd where no scale sits between), scaled per block in float. F16, BF16 and F32 rows
+ * vpmaddwd into int32; vpdpbusd where no scale sits between), scaled per block in float; on AVX-512 the k-quants'
+ * integer sums stay per sub-block, in int32 lanes, and are scaled per lane in float (`tokens_lanes`). F16, BF16 and F32 rows
  * multiply the float32 activations with float32 FMAs.
  *
  * Row-invariant: a row of X is quantised alone, and each output (m, n) is computed by one thread with the same
@@ -27,6 +28,9 @@
 
 #if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512F__)
 #define WIDE 1
+#if defined(__AVX512VNNI__)
+#define LANES_K 1 /* k-quant rows on one vpdpbusd per 64 values: see `tokens_lanes` */
+#endif
 #endif
 
 /* ggml's type codes (the values GGUF files store) */
@@ -135,7 +139,7 @@ static inline __m256i bits_to_bytes(uint32_t bits, int value) { /* byte j = valu
  * d repeated 8 times per block (the lanes of a pair of 32-value blocks), and d times the sum of every 32 and every 16
  * quantised values (the terms of mins and offsets). */
 typedef struct {
-  int8_t* q;
+  int8_t *q, *lanes_q; /* lanes_q: blocks of 256 in the order of `decode_lanes` (NULL unless that is built) */
   float *d, *lanes, *sums32, *sums16;
 } acts;
 
@@ -180,6 +184,11 @@ static void quantise_row(const float* x, long K, int block, acts a) {
 #endif
     }
     a.d[b] = d;
+#ifdef LANES_K
+    if (block == 256 && a.lanes_q) /* values 16L + 4u .. 16L + 4u + 3 to int32 lane L of unit u (64 values) */
+      for (int u = 0; u < 4; u++)
+        for (int L = 0; L < 16; L++) memcpy(a.lanes_q + b * 256 + 64 * u + 4 * L, q + 16 * L + 4 * u, 4);
+#endif
     for (int g = 0; g < block / 16; g++) a.sums16[b * (block / 16) + g] = d * (float)sums16[g];
     for (int g = 0; g < block / 32; g++) a.sums32[b * (block / 32) + g] = d * (float)(sums16[2 * g] + sums16[2 * g + 1]);
     if (block == 32)
@@ -352,6 +361,102 @@ TOKENS_K(2)
 TOKENS_K(4)
 TOKENS_K(8)
 
+#ifdef LANES_K
+/* The k-quants with the sub-block scales applied in float, per int32 lane. Each 64 values of a block ("unit" u)
+ * are laid out so that int32 lane L of every unit holds values 16L + 4u .. 16L + 4u + 3, i.e. lane L always holds
+ * values of the same 16 (Q6_K: sub-block L; Q4_K, Q5_K: half of sub-block L / 2); the activations are laid out alike
+ * once per token (`lanes_q`). A token's block is then 4 vpdpbusd into one int32 vector (u8 weights x s8
+ * activations, exact: at most 4 x 4 x 63 x 127 per lane), converted to float and multiplied per lane by d_w * d_x
+ * * the lane's scale: 4 integer products per 256 values where vpmaddubsw + vpdpwssd take 8. The units, their
+ * lanes' float scales (times d) and the row's offsets (as `decode_k`) of one block: */
+static inline void decode_lanes(int type, const uint8_t* p, __m512i* w, __m512* scale, float* offsets) {
+  if (type == Q6_K) { /* ql[128], qh[64], int8 scales[16], d: value m of half h (128 values) is nibble m >= 64 of
+                         byte 64h + m % 64 of ql, with bits 2 (m / 32) .. + 1 of byte 32h + m % 32 of qh above it.
+                         Lane L = 8h + l of unit u: the dwords 16h + 4 (l % 4) + u of ql and 8h + 4 (l % 2) + u of qh,
+                         shifted by 4 (l / 4) and 2 (l / 2) */
+    float d = half(p + 208);
+    __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 192)));
+    _mm512_storeu_ps(offsets, _mm512_mul_ps(_mm512_set1_ps(32.0f * d), _mm512_cvtepi32_ps(sc)));
+    *scale = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), _mm512_set1_ps(d));
+    __m512i first = _mm512_loadu_si512(p), second = _mm512_loadu_si512(p + 64), high = _mm512_loadu_si512(p + 128);
+    const __m512i low = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x03);
+    const __m512i nibble = _mm512_set_epi32(4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0);
+    const __m512i pair = _mm512_set_epi32(6, 6, 4, 4, 2, 2, 0, 0, 6, 6, 4, 4, 2, 2, 0, 0);
+    for (int u = 0; u < 4; u++) {
+      __m512i at = _mm512_set_epi32(28 + u, 24 + u, 20 + u, 16 + u, 28 + u, 24 + u, 20 + u, 16 + u,
+                                    12 + u, 8 + u, 4 + u, u, 12 + u, 8 + u, 4 + u, u);
+      __m512i above = _mm512_set_epi32(12 + u, 8 + u, 12 + u, 8 + u, 12 + u, 8 + u, 12 + u, 8 + u,
+                                       4 + u, u, 4 + u, u, 4 + u, u, 4 + u, u);
+      __m512i q = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutex2var_epi32(first, at, second), nibble), low);
+      __m512i h = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(above, high), pair), two);
+      w[u] = _mm512_or_si512(q, _mm512_slli_epi32(h, 4));
+    }
+    return;
+  }
+  float d = half(p), dmin = half(p + 2);
+  uint32_t a, b, c;
+  memcpy(&a, p + 4, 4);
+  memcpy(&b, p + 8, 4);
+  memcpy(&c, p + 12, 4);
+  uint64_t scales = (a & 0x3f3f3f3fu) | (uint64_t)((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
+  uint64_t mins = (b & 0x3f3f3f3fu) | (uint64_t)(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
+  _mm256_storeu_ps(offsets, _mm256_mul_ps(_mm256_set1_ps(dmin),
+                                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mins)))));
+  __m128i bytes = _mm_cvtsi64_si128((long long)scales);
+  *scale = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes))), _mm512_set1_ps(d));
+  /* value 64j + i (i < 32) is the low nibble of byte 32j + i, 64j + 32 + i its high nibble: lane 4j + r of unit u
+   * is the low (r < 2) or high nibbles of dword 8j + 4 (r & 1) + u */
+  const uint8_t* qs = p + (type == Q5_K ? 48 : 16);
+  __m512i first = _mm512_loadu_si512(qs), second = _mm512_loadu_si512(qs + 64);
+  const __m512i low = _mm512_set1_epi8(0x0f), shift = _mm512_set_epi32(4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0);
+  for (int u = 0; u < 4; u++) {
+    __m512i index = _mm512_set_epi32(28 + u, 24 + u, 28 + u, 24 + u, 20 + u, 16 + u, 20 + u, 16 + u,
+                                     12 + u, 8 + u, 12 + u, 8 + u, 4 + u, u, 4 + u, u);
+    w[u] = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutex2var_epi32(first, index, second), shift), low);
+  }
+  if (type == Q5_K) { /* bit s of byte i of the fifth bits: value i of sub-block s; lane 4j + r of unit u: bit 2j +
+                         (r >> 1) of the bytes of dword 4 (r & 1) + u */
+    __m512i fifths = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(p + 16)));
+    const __m512i bit = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), one = _mm512_set1_epi8(1);
+    for (int u = 0; u < 4; u++) {
+      __m512i index = _mm512_set_epi32(4 + u, u, 4 + u, u, 4 + u, u, 4 + u, u, 4 + u, u, 4 + u, u, 4 + u, u, 4 + u, u);
+      __m512i bits = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(index, fifths), bit), one);
+      w[u] = _mm512_or_si512(w[u], _mm512_slli_epi32(bits, 4));
+    }
+  }
+}
+
+/* Tokens a[0 .. T-1] against one row of k-quant blocks into out[T], T a constant; as `tokens_k`, each block decoded
+ * once for all of them and each token's operations those it gets alone. */
+#define TOKENS_LANES(T)                                                                                            \
+  static void tokens_lanes##T(int type, const uint8_t* row, long blocks, const acts* a, float* offsets,           \
+                              float* out) {                                                                        \
+    long block_bytes = type == Q4_K ? 144 : type == Q5_K ? 176 : 210, per = type == Q6_K ? 16 : 8;                \
+    __m512 acc[T];                                                                                                 \
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();                                                      \
+    __m512i w[4];                                                                                                  \
+    __m512 scale;                                                                                                  \
+    for (long b = 0; b < blocks; b++) {                                                                            \
+      prefetch_ahead(row + b * block_bytes, block_bytes);                                                          \
+      decode_lanes(type, row + b * block_bytes, w, &scale, offsets + b * per);                                     \
+      _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) {                                                       \
+        const int8_t* x = a[t].lanes_q + b * 256;                                                                  \
+        __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_loadu_si512(x));                  \
+        for (int u = 1; u < 4; u++) sums = _mm512_dpbusd_epi32(sums, w[u], _mm512_loadu_si512(x + 64 * u));       \
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(scale, _mm512_set1_ps(a[t].d[b])), acc[t]); \
+      }                                                                                                            \
+    }                                                                                                              \
+    for (int t = 0; t < T; t++)                                                                                    \
+      out[t] = _mm512_reduce_add_ps(acc[t]) - dot_floats(offsets, type == Q6_K ? a[t].sums16 : a[t].sums32,       \
+                                                         blocks * per);                                            \
+  }
+TOKENS_LANES(1)
+TOKENS_LANES(2)
+TOKENS_LANES(4)
+TOKENS_LANES(8)
+TOKENS_LANES(16)
+#endif
+
 /* name(T) for the largest tile T in {8, 4, 2, 1} not above `tokens` (whose count the caller takes) */
 #define BY_TILE(prefix, tokens, ...)                                                                              \
   ((tokens) >= 8 ? prefix##8(__VA_ARGS__) : (tokens) >= 4 ? prefix##4(__VA_ARGS__)                              \
@@ -429,11 +534,22 @@ TOKENS_32(8)
 static void rows_blocks(int type, int block, const uint8_t* W, long row_bytes, long n0, long n1, const acts* X,
                         long M, long K, const float* bias, float* Y, long N, float* offsets) {
   long blocks = K / block;
+#ifdef LANES_K
+  int lanes = block == 256 && X[0].lanes_q;
+#else
+  int lanes = 0;
+#endif
   for (long m0 = 0; m0 < M;) {
-    long left = M - m0, T = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    long left = M - m0, T = left >= 16 && lanes ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
     for (long n = n0; n < n1; n++) {
       const uint8_t* row = W + n * row_bytes;
-      float out[8];
+      float out[16];
+#ifdef LANES_K
+      if (lanes) {
+        if (T == 16) tokens_lanes16(type, row, blocks, X + m0, offsets, out);
+        else BY_TILE(tokens_lanes, T, type, row, blocks, X + m0, offsets, out);
+      } else
+#endif
       if (block == 256) BY_TILE(tokens_k, T, type, row, blocks, X + m0, offsets, out);
       else BY_TILE(tokens_32_, T, type, row, blocks, X + m0, offsets, out);
       for (long t = 0; t < T; t++) Y[(m0 + t) * N + n] = bias ? out[t] + bias[n] : out[t];
@@ -695,7 +811,7 @@ static acts* quantise_room(long M, long K, int8_t** q, float** floats) {
   long padded = (K + 63) / 64 * 64, per = padded / 32 + 2; /* 32-value blocks per row, with room for a pair */
   long stride = per * 8 + per * 2 + per * 2 + per;          /* lanes, sums16, sums32 (or per-block d), d */
   acts* rows = malloc(sizeof(acts) * M);
-  *q = calloc((size_t)(M * padded), 1);
+  *q = calloc((size_t)(2 * M * padded), 1); /* the values, then (blocks of 256) in the order of `decode_k_lanes` */
   *floats = calloc((size_t)(M * stride), sizeof(float));
   if (!rows || !*q || !*floats) {
     free(rows); free(*q); free(*floats);
@@ -704,7 +820,12 @@ static acts* quantise_room(long M, long K, int8_t** q, float** floats) {
   }
   for (long m = 0; m < M; m++) {
     float* f = *floats + m * stride;
-    acts a = {*q + m * padded, f, f + per, f + per + per * 8, f + per + per * 8 + per * 2};
+#ifdef LANES_K
+    int8_t* lanes_q = *q + (M + m) * padded;
+#else
+    int8_t* lanes_q = NULL;
+#endif
+    acts a = {*q + m * padded, lanes_q, f, f + per, f + per + per * 8, f + per + per * 8 + per * 2};
     rows[m] = a;
   }
   return rows;

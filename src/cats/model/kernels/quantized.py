@@ -9,7 +9,8 @@ library CATS can call on its tensors, so these are written here (``quantized.c``
 
 **Activations are quantised to 8 bits for the dot products**, as llama.cpp does: each token's input row in blocks of
 256 values (k-quants) or 32 (the rest), one float scale per block (max |x| / 127). The integer products within a block
-are exact; blocks are scaled and summed in float32. The results therefore differ from the dequantised float path
+are exact; blocks are scaled and summed in float32 (on AVX-512 the k-quants per int32 lane: each lane holds values
+of one sub-block, so a block of 256 values is 4 ``vpdpbusd`` and its sub-block scales are applied in float). The results therefore differ from the dequantised float path
 (`--kernels aten`: the same weights dequantised to float32, float activations) by the rounding of the activations;
 docs/benchmarks.md reports how often greedy answers agree. F16, BF16 and F32 rows are multiplied in float32.
 
