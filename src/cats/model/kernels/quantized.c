@@ -220,6 +220,23 @@ static inline void prefetch_ahead(const uint8_t* p, long bytes) {
 }
 
 /* ---------------------------------------------------------------------------------------------- k-quants */
+/* Q4_K, Q5_K: d, dmin, 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of fifth bits), 128 bytes of nibbles.
+ * The scales of sub-blocks 0-3 are the low 6 bits of bytes 0-3, their mins of bytes 4-7; sub-blocks 4-7 take
+ * the nibbles of bytes 8-11 and the top 2 bits of bytes 0-3 (scales) and 4-7 (mins). The 8 scales to *scales (a
+ * byte each), dmin * min to offsets[0 .. 7]; returns d. */
+static inline float scales_k(const uint8_t* p, uint64_t* scales, float* offsets) {
+  float dmin = half(p + 2);
+  uint32_t a, b, c;
+  memcpy(&a, p + 4, 4);
+  memcpy(&b, p + 8, 4);
+  memcpy(&c, p + 12, 4);
+  *scales = (a & 0x3f3f3f3fu) | (uint64_t)((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
+  uint64_t mins = (b & 0x3f3f3f3fu) | (uint64_t)(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
+  _mm256_storeu_ps(offsets, _mm256_mul_ps(_mm256_set1_ps(dmin),
+                                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mins)))));
+  return half(p);
+}
+
 /* One block of 256 weights in registers: 4 x 64 values as u8 in value order, and per unit the int16 scale of every
  * pair of products after vpmaddubsw. The coefficients of the sums of X that the block subtracts go to `offsets`:
  * Q4_K / Q5_K per 32 values dmin * min, Q6_K (values stored + 32) per 16 values 32 * d * scale. Returns d. */
@@ -275,18 +292,9 @@ static inline float decode_k(int type, const uint8_t* p, v64* w, v64* scale, flo
     }
     return d;
   }
-  /* Q4_K, Q5_K: d, dmin, 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of fifth bits), 128 bytes of nibbles.
-   * The scales of sub-blocks 0-3 are the low 6 bits of bytes 0-3, their mins of bytes 4-7; sub-blocks 4-7 take
-   * the nibbles of bytes 8-11 and the top 2 bits of bytes 0-3 (scales) and 4-7 (mins). */
-  float d = half(p), dmin = half(p + 2);
-  uint32_t a, b, c;
-  memcpy(&a, p + 4, 4);
-  memcpy(&b, p + 8, 4);
-  memcpy(&c, p + 12, 4);
-  uint64_t scales = (a & 0x3f3f3f3fu) | (uint64_t)((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
-  uint64_t mins = (b & 0x3f3f3f3fu) | (uint64_t)(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
-  _mm256_storeu_ps(offsets, _mm256_mul_ps(_mm256_set1_ps(dmin),
-                                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mins)))));
+  /* Q4_K, Q5_K (`scales_k`) */
+  uint64_t scales;
+  float d = scales_k(p, &scales, offsets);
 #ifdef WIDE
   __m256i all = _mm256_set1_epi64x((long long)scales);
   for (int u = 0; u < 4; u++) { /* unit u: sub-blocks 2u and 2u + 1, 16 lanes each */
@@ -393,15 +401,8 @@ static inline void decode_lanes(int type, const uint8_t* p, __m512i* w, __m512* 
     }
     return;
   }
-  float d = half(p), dmin = half(p + 2);
-  uint32_t a, b, c;
-  memcpy(&a, p + 4, 4);
-  memcpy(&b, p + 8, 4);
-  memcpy(&c, p + 12, 4);
-  uint64_t scales = (a & 0x3f3f3f3fu) | (uint64_t)((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
-  uint64_t mins = (b & 0x3f3f3f3fu) | (uint64_t)(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
-  _mm256_storeu_ps(offsets, _mm256_mul_ps(_mm256_set1_ps(dmin),
-                                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mins)))));
+  uint64_t scales;
+  float d = scales_k(p, &scales, offsets);
   __m128i bytes = _mm_cvtsi64_si128((long long)scales);
   *scale = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes))), _mm512_set1_ps(d));
   /* value 64j + i (i < 32) is the low nibble of byte 32j + i, 64j + 32 + i its high nibble: lane 4j + r of unit u
