@@ -32,6 +32,11 @@
 #define LANES_K 1 /* k-quant rows on one vpdpbusd per 64 values: see `tokens_lanes` */
 #endif
 #endif
+#ifdef LANES_K
+#define LANES_ON 1
+#else
+#define LANES_ON 0
+#endif
 
 /* ggml's type codes (the values GGUF files store) */
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
@@ -184,11 +189,9 @@ static void quantise_row(const float* x, long K, int block, acts a) {
 #endif
     }
     a.d[b] = d;
-#ifdef LANES_K
-    if (block == 256 && a.lanes_q) /* values 16L + 4u .. 16L + 4u + 3 to int32 lane L of unit u (64 values) */
+    if (a.lanes_q) /* (blocks of 256) values 16L + 4u .. 16L + 4u + 3 to int32 lane L of unit u (64 values) */
       for (int u = 0; u < 4; u++)
         for (int L = 0; L < 16; L++) memcpy(a.lanes_q + b * 256 + 64 * u + 4 * L, q + 16 * L + 4 * u, 4);
-#endif
     for (int g = 0; g < block / 16; g++) a.sums16[b * (block / 16) + g] = d * (float)sums16[g];
     for (int g = 0; g < block / 32; g++) a.sums32[b * (block / 32) + g] = d * (float)(sums16[2 * g] + sums16[2 * g + 1]);
     if (block == 32)
@@ -535,11 +538,7 @@ TOKENS_32(8)
 static void rows_blocks(int type, int block, const uint8_t* W, long row_bytes, long n0, long n1, const acts* X,
                         long M, long K, const float* bias, float* Y, long N, float* offsets) {
   long blocks = K / block;
-#ifdef LANES_K
-  int lanes = block == 256 && X[0].lanes_q;
-#else
-  int lanes = 0;
-#endif
+  int lanes = X[0].lanes_q != NULL; /* the k-quants, where `tokens_lanes` is built */
   for (long m0 = 0; m0 < M;) {
     long left = M - m0, T = left >= 16 && lanes ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
     for (long n = n0; n < n1; n++) {
@@ -806,13 +805,14 @@ static int block_values(int type) {
   }
 }
 
-/* Room for M rows of K values quantised (by `quantise_row`, for blocks of 256 or 32 values): the row records point
+/* Room for M rows of K values quantised (by `quantise_row`, for blocks of 256 or 32 values; `lanes`: with their
+ * values also in the order of `decode_lanes`): the row records point
  * into *q and *floats (which the caller frees with the returned array). NULL if out of memory. */
-static acts* quantise_room(long M, long K, int8_t** q, float** floats) {
+static acts* quantise_room(long M, long K, int lanes, int8_t** q, float** floats) {
   long padded = (K + 63) / 64 * 64, per = padded / 32 + 2; /* 32-value blocks per row, with room for a pair */
   long stride = per * 8 + per * 2 + per * 2 + per;          /* lanes, sums16, sums32 (or per-block d), d */
   acts* rows = malloc(sizeof(acts) * M);
-  *q = calloc((size_t)(2 * M * padded), 1); /* the values, then (blocks of 256) in the order of `decode_k_lanes` */
+  *q = calloc((size_t)((lanes ? 2 : 1) * M * padded), 1); /* the values, then (lanes) in the order of `decode_lanes` */
   *floats = calloc((size_t)(M * stride), sizeof(float));
   if (!rows || !*q || !*floats) {
     free(rows); free(*q); free(*floats);
@@ -821,11 +821,7 @@ static acts* quantise_room(long M, long K, int8_t** q, float** floats) {
   }
   for (long m = 0; m < M; m++) {
     float* f = *floats + m * stride;
-#ifdef LANES_K
-    int8_t* lanes_q = *q + (M + m) * padded;
-#else
-    int8_t* lanes_q = NULL;
-#endif
+    int8_t* lanes_q = lanes ? *q + (M + m) * padded : NULL;
     acts a = {*q + m * padded, lanes_q, f, f + per, f + per + per * 8, f + per + per * 8 + per * 2};
     rows[m] = a;
   }
@@ -868,8 +864,8 @@ int cats_quantized_team(const struct cats_group* g, const float* X, float* Y, lo
   int failed = 0;
 #pragma omp single copyprivate(rows32, rows256, q32, q256, f32, f256, failed)
   {
-    if (families & 1) failed |= !(rows32 = quantise_room(M, K, &q32, &f32));
-    if (families & 2) failed |= !(rows256 = quantise_room(M, K, &q256, &f256));
+    if (families & 1) failed |= !(rows32 = quantise_room(M, K, 0, &q32, &f32));
+    if (families & 2) failed |= !(rows256 = quantise_room(M, K, LANES_ON, &q256, &f256));
   }
   if (!failed) {
 #pragma omp for schedule(static)
