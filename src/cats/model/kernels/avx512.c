@@ -627,6 +627,8 @@ static void shared_linear(const void* W, const void* X, const float* bias, void*
     _Pragma("omp barrier")                                                                      \
   }
 
+#define SILU_PIECE 512 /* values of a token's gate that one thread takes at a time (a multiple of 16) */
+
 /* Returns 0, or what a block linear returned (-1: a type it does not take, -2: out of memory). */
 int cats_layer(const struct cats_layer* L, void* hidden, long T, const void* cos, const void* sin, void* kbuf,
                void* vbuf, long kv_head, long past, const float* mask, long mask_row, void* scratch, int threads) {
@@ -698,12 +700,14 @@ int cats_layer(const struct cats_layer* L, void* hidden, long T, const void* cos
     LAYER_LINEAR(L->gate_up, L->gate_up_bias, normed, gate_up, 2 * I, H)
     /* silu(gate) = gate / (1 + exp(-gate)) (gate >= 0) or gate e / (1 + e), e = exp(gate) (gate < 0), rounded; then
      * times up, rounded */
+    long pieces = (I + SILU_PIECE - 1) / SILU_PIECE; /* per token: the team shares its pieces (one token: all) */
 #pragma omp for schedule(static)
-    for (long t = 0; t < T; t++) {
+    for (long item = 0; item < T * pieces; item++) {
+      long t = item / pieces, first = item % pieces * SILU_PIECE, last = first + SILU_PIECE < I ? first + SILU_PIECE : I;
       const char* row = (const char*)gate_up + t * 2 * I * size;
       float gates[16], ups[16], values[16];
-      for (long j0 = 0; j0 < I; j0 += 16) {
-        long count = I - j0 < 16 ? I - j0 : 16;
+      for (long j0 = first; j0 < last; j0 += 16) {
+        long count = last - j0 < 16 ? last - j0 : 16;
         for (long j = 0; j < count; j++) {
           gates[j] = load_at(row, j0 + j, bf16);
           ups[j] = load_at(row, I + j0 + j, bf16);

@@ -139,12 +139,21 @@ static inline __m256i bits_to_bytes(uint32_t bits, int value) { /* byte j = valu
 #endif
 }
 
+/* Value index of byte m (0 .. 63) of natural unit k (0 .. 3) of a Q4_K / Q5_K block: units 0 and 1 are the low and
+ * high nibbles of bytes 0-63, units 2 and 3 of bytes 64-127; byte b holds values 64 (b / 32) + b % 32 (low nibble)
+ * and 32 above it (high nibble). (A Q6_K block's natural unit k holds values 64 k .. 64 k + 63 in order.) */
+static inline long nibble_value(int k, long m) {
+  long b = 64 * (k / 2) + m;
+  return 64 * (b / 32) + 32 * (k % 2) + b % 32;
+}
+
 /* -------------------------------------------------------------------------------------------- activations */
 /* One row of X quantised: q (padded with zeros to a multiple of 64 values), per block of `block` values its scale d,
  * d repeated 8 times per block (the lanes of a pair of 32-value blocks), and d times the sum of every 32 and every 16
  * quantised values (the terms of mins and offsets). */
 typedef struct {
-  int8_t *q, *lanes_q; /* lanes_q: blocks of 256 in the order of `decode_lanes` (NULL unless that is built) */
+  int8_t *q, *lanes_q, *lanes6_q; /* blocks of 256 in the orders of `decode_lanes` for Q4_K / Q5_K and for Q6_K
+                                    * (NULL unless that is built) */
   float *d, *lanes, *sums32, *sums16;
 } acts;
 
@@ -189,9 +198,14 @@ static void quantise_row(const float* x, long K, int block, acts a) {
 #endif
     }
     a.d[b] = d;
-    if (a.lanes_q) /* (blocks of 256) values 16L + 4u .. 16L + 4u + 3 to int32 lane L of unit u (64 values) */
+    if (a.lanes_q) /* (blocks of 256) as `decode_lanes` lays out the weights: unit u, lane 4j + k */
       for (int u = 0; u < 4; u++)
-        for (int L = 0; L < 16; L++) memcpy(a.lanes_q + b * 256 + 64 * u + 4 * L, q + 16 * L + 4 * u, 4);
+        for (int j = 0; j < 4; j++)
+          for (int k = 0; k < 4; k++) {
+            long at = b * 256 + 64 * u + 4 * (4 * j + k), m = 16 * j + 4 * u; /* byte m of natural unit k */
+            memcpy(a.lanes_q + at, q + nibble_value(k, m), 4);
+            memcpy(a.lanes6_q + at, q + 64 * k + m, 4);
+          }
     for (int g = 0; g < block / 16; g++) a.sums16[b * (block / 16) + g] = d * (float)sums16[g];
     for (int g = 0; g < block / 32; g++) a.sums32[b * (block / 32) + g] = d * (float)(sums16[2 * g] + sums16[2 * g + 1]);
     if (block == 32)
@@ -373,61 +387,73 @@ TOKENS_K(4)
 TOKENS_K(8)
 
 #ifdef LANES_K
-/* The k-quants with the sub-block scales applied in float, per int32 lane. Each 64 values of a block ("unit" u)
- * are laid out so that int32 lane L of every unit holds values 16L + 4u .. 16L + 4u + 3, i.e. lane L always holds
- * values of the same 16 (Q6_K: sub-block L; Q4_K, Q5_K: half of sub-block L / 2); the activations are laid out alike
- * once per token (`lanes_q`). A token's block is then 4 vpdpbusd into one int32 vector (u8 weights x s8
- * activations, exact: at most 4 x 4 x 63 x 127 per lane), converted to float and multiplied per lane by d_w * d_x
- * * the lane's scale: 4 integer products per 256 values where vpmaddubsw + vpdpwssd take 8. The units, their
- * lanes' float scales (times d) and the row's offsets (as `decode_k`) of one block: */
+/* The k-quants with the sub-block scales applied in float, per int32 lane. A block's 256 values are first split,
+ * with in-lane operations only, into four "natural" units of 64 bytes (Q4_K / Q5_K: the low and the high nibbles of
+ * bytes 0-63, then of bytes 64-127; Q6_K: values 0-63, 64-127, ... with their top two bits); each 128-bit lane j of
+ * natural unit k then holds 16 values of one sub-block (Q6_K) or half sub-block (Q4_K, Q5_K). A 4 x 4 transpose of
+ * dwords inside each 128-bit lane (8 unpacks) makes unit u of the block hold in int32 lane 4j + k the dword u of
+ * that lane j of natural unit k, so that lane 4j + k of every unit holds values of the same 16; the activations are
+ * laid out alike once per token (`lanes_q`, `lanes6_q`). A token's block is then 4 vpdpbusd into one int32 vector
+ * (u8 weights x s8 activations, exact: at most 4 x 4 x 63 x 127 per lane), converted to float and multiplied per
+ * lane by d_w * d_x * the lane's scale: 4 integer products per 256 values where vpmaddubsw + vpdpwssd take 8, and no
+ * operation crosses a 128-bit lane (cross-lane permutes cost more than they seem on AMD's 256-bit pipes). The
+ * units, their lanes' float scales (times d) and the row's offsets (as `decode_k`) of one block: */
+static inline void transpose_units(__m512i* w) { /* w[u] lane 4j + k = old w[k] lane 4j + u */
+  __m512i a = _mm512_unpacklo_epi32(w[0], w[1]), b = _mm512_unpackhi_epi32(w[0], w[1]);
+  __m512i c = _mm512_unpacklo_epi32(w[2], w[3]), e = _mm512_unpackhi_epi32(w[2], w[3]);
+  w[0] = _mm512_unpacklo_epi64(a, c);
+  w[1] = _mm512_unpackhi_epi64(a, c);
+  w[2] = _mm512_unpacklo_epi64(b, e);
+  w[3] = _mm512_unpackhi_epi64(b, e);
+}
+
 static inline void decode_lanes(int type, const uint8_t* p, __m512i* w, __m512* scale, float* offsets) {
-  if (type == Q6_K) { /* ql[128], qh[64], int8 scales[16], d: value m of half h (128 values) is nibble m >= 64 of
-                         byte 64h + m % 64 of ql, with bits 2 (m / 32) .. + 1 of byte 32h + m % 32 of qh above it.
-                         Lane L = 8h + l of unit u: the dwords 16h + 4 (l % 4) + u of ql and 8h + 4 (l % 2) + u of qh,
-                         shifted by 4 (l / 4) and 2 (l / 2) */
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  if (type == Q6_K) { /* ql[128], qh[64], int8 scales[16], d: value 64k + m (m < 64) is nibble k % 2 of byte
+                         64 (k / 2) + m of ql, with bits 2 (m / 32) + 4 (k % 2) .. + 1 of byte 32 (k / 2) + m % 32
+                         of qh above it. Lane 4j + k: sub-block 4k + j */
     float d = half(p + 208);
-    __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 192)));
-    _mm512_storeu_ps(offsets, _mm512_mul_ps(_mm512_set1_ps(32.0f * d), _mm512_cvtepi32_ps(sc)));
-    *scale = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), _mm512_set1_ps(d));
-    __m512i first = _mm512_loadu_si512(p), second = _mm512_loadu_si512(p + 64), high = _mm512_loadu_si512(p + 128);
-    const __m512i low = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x03);
-    const __m512i nibble = _mm512_set_epi32(4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0);
-    const __m512i pair = _mm512_set_epi32(6, 6, 4, 4, 2, 2, 0, 0, 6, 6, 4, 4, 2, 2, 0, 0);
-    for (int u = 0; u < 4; u++) {
-      __m512i at = _mm512_set_epi32(28 + u, 24 + u, 20 + u, 16 + u, 28 + u, 24 + u, 20 + u, 16 + u,
-                                    12 + u, 8 + u, 4 + u, u, 12 + u, 8 + u, 4 + u, u);
-      __m512i above = _mm512_set_epi32(12 + u, 8 + u, 12 + u, 8 + u, 12 + u, 8 + u, 12 + u, 8 + u,
-                                       4 + u, u, 4 + u, u, 4 + u, u, 4 + u, u);
-      __m512i q = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutex2var_epi32(first, at, second), nibble), low);
-      __m512i h = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(above, high), pair), two);
-      w[u] = _mm512_or_si512(q, _mm512_slli_epi32(h, 4));
+    __m128i sc = _mm_loadu_si128((const __m128i*)(p + 192));
+    _mm512_storeu_ps(offsets, _mm512_mul_ps(_mm512_set1_ps(32.0f * d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc))));
+    __m128i lanes = _mm_shuffle_epi8(sc, _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+    *scale = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lanes)), _mm512_set1_ps(d));
+    /* qh's 32 bytes in both halves; a rotation of each 64 bits left by 4 - s (mod 64) takes bits s, s + 1 of every
+     * byte to 4, 5 (a shift would lose the top byte's bits) */
+    const __m512i top = _mm512_set1_epi8(0x30);
+    const __m512i by_half_low = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), by_half_high = _mm512_set_epi64(62, 62, 62, 62, 0, 0, 0, 0);
+    for (int h = 0; h < 2; h++) { /* values 128h .. 128h + 127: natural units 2h, 2h + 1 */
+      __m512i ql = _mm512_loadu_si512(p + 64 * h);
+      __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(p + 128 + 32 * h)));
+      w[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, low), _mm512_and_si512(_mm512_rolv_epi64(qh, by_half_low), top));
+      w[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low),
+                                     _mm512_and_si512(_mm512_rolv_epi64(qh, by_half_high), top));
     }
+    transpose_units(w);
     return;
   }
   uint64_t scales;
   float d = scales_k(p, &scales, offsets);
-  __m128i bytes = _mm_cvtsi64_si128((long long)scales);
-  *scale = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes))), _mm512_set1_ps(d));
-  /* value 64j + i (i < 32) is the low nibble of byte 32j + i, 64j + 32 + i its high nibble: lane 4j + r of unit u
-   * is the low (r < 2) or high nibbles of dword 8j + 4 (r & 1) + u */
+  /* lane 4j + k: half sub-block 4 (k / 2) + 2 (j / 2) + k % 2 */
+  __m128i lanes = _mm_shuffle_epi8(_mm_cvtsi64_si128((long long)scales),
+                                   _mm_setr_epi8(0, 1, 4, 5, 0, 1, 4, 5, 2, 3, 6, 7, 2, 3, 6, 7));
+  *scale = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lanes)), _mm512_set1_ps(d));
   const uint8_t* qs = p + (type == Q5_K ? 48 : 16);
-  __m512i first = _mm512_loadu_si512(qs), second = _mm512_loadu_si512(qs + 64);
-  const __m512i low = _mm512_set1_epi8(0x0f), shift = _mm512_set_epi32(4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0);
-  for (int u = 0; u < 4; u++) {
-    __m512i index = _mm512_set_epi32(28 + u, 24 + u, 28 + u, 24 + u, 20 + u, 16 + u, 20 + u, 16 + u,
-                                     12 + u, 8 + u, 12 + u, 8 + u, 4 + u, u, 4 + u, u);
-    w[u] = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutex2var_epi32(first, index, second), shift), low);
+  for (int h = 0; h < 2; h++) {
+    __m512i q = _mm512_loadu_si512(qs + 64 * h);
+    w[2 * h] = _mm512_and_si512(q, low);
+    w[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
   }
-  if (type == Q5_K) { /* bit s of byte i of the fifth bits: value i of sub-block s; lane 4j + r of unit u: bit 2j +
-                         (r >> 1) of the bytes of dword 4 (r & 1) + u */
-    __m512i fifths = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(p + 16)));
-    const __m512i bit = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), one = _mm512_set1_epi8(1);
-    for (int u = 0; u < 4; u++) {
-      __m512i index = _mm512_set_epi32(4 + u, u, 4 + u, u, 4 + u, u, 4 + u, u, 4 + u, u, 4 + u, u, 4 + u, u, 4 + u, u);
-      __m512i bits = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(index, fifths), bit), one);
-      w[u] = _mm512_or_si512(w[u], _mm512_slli_epi32(bits, 4));
+  if (type == Q5_K) { /* bit s of byte i of the fifth bits: value 32 s + i; natural unit k takes bits (k / 2) * 4 +
+                         k % 2 (bytes 0-31 of the unit) and 2 above (bytes 32-63), moved to bit 4 */
+    __m512i fifths = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(p + 16)));
+    const __m512i bit = _mm512_set1_epi8(0x10);
+    for (int k = 0; k < 4; k++) { /* bit s to bit 4: each 64 bits rotated left by 4 - s (mod 64) */
+      long first = 4 * (k / 2) + k % 2, left = (68 - first) % 64, right = (66 - first) % 64;
+      __m512i by_half = _mm512_set_epi64(right, right, right, right, left, left, left, left);
+      w[k] = _mm512_or_si512(w[k], _mm512_and_si512(_mm512_rolv_epi64(fifths, by_half), bit));
     }
   }
+  transpose_units(w);
 }
 
 /* Tokens a[0 .. T-1] against one row of k-quant blocks into out[T], T a constant; as `tokens_k`, each block decoded
@@ -438,13 +464,14 @@ static inline void decode_lanes(int type, const uint8_t* p, __m512i* w, __m512* 
     long block_bytes = type == Q4_K ? 144 : type == Q5_K ? 176 : 210, per = type == Q6_K ? 16 : 8;                \
     __m512 acc[T];                                                                                                 \
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();                                                      \
+    long order = type == Q6_K ? a[0].lanes6_q - a[0].lanes_q : 0; /* the same for every token (`quantise_room`) */ \
     __m512i w[4];                                                                                                  \
     __m512 scale;                                                                                                  \
     for (long b = 0; b < blocks; b++) {                                                                            \
       prefetch_ahead(row + b * block_bytes, block_bytes);                                                          \
       decode_lanes(type, row + b * block_bytes, w, &scale, offsets + b * per);                                     \
       _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) {                                                       \
-        const int8_t* x = a[t].lanes_q + b * 256;                                                                  \
+        const int8_t* x = a[t].lanes_q + order + b * 256;                                                                  \
         __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_loadu_si512(x));                  \
         for (int u = 1; u < 4; u++) sums = _mm512_dpbusd_epi32(sums, w[u], _mm512_loadu_si512(x + 64 * u));       \
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(scale, _mm512_set1_ps(a[t].d[b])), acc[t]); \
@@ -812,7 +839,7 @@ static acts* quantise_room(long M, long K, int lanes, int8_t** q, float** floats
   long padded = (K + 63) / 64 * 64, per = padded / 32 + 2; /* 32-value blocks per row, with room for a pair */
   long stride = per * 8 + per * 2 + per * 2 + per;          /* lanes, sums16, sums32 (or per-block d), d */
   acts* rows = malloc(sizeof(acts) * M);
-  *q = calloc((size_t)((lanes ? 2 : 1) * M * padded), 1); /* the values, then (lanes) in the order of `decode_lanes` */
+  *q = calloc((size_t)((lanes ? 3 : 1) * M * padded), 1); /* the values, then (lanes) in the orders of `decode_lanes` */
   *floats = calloc((size_t)(M * stride), sizeof(float));
   if (!rows || !*q || !*floats) {
     free(rows); free(*q); free(*floats);
@@ -821,8 +848,8 @@ static acts* quantise_room(long M, long K, int lanes, int8_t** q, float** floats
   }
   for (long m = 0; m < M; m++) {
     float* f = *floats + m * stride;
-    int8_t* lanes_q = lanes ? *q + (M + m) * padded : NULL;
-    acts a = {*q + m * padded, lanes_q, f, f + per, f + per + per * 8, f + per + per * 8 + per * 2};
+    int8_t *lanes_q = lanes ? *q + (M + m) * padded : NULL, *lanes6_q = lanes ? *q + (2 * M + m) * padded : NULL;
+    acts a = {*q + m * padded, lanes_q, lanes6_q, f, f + per, f + per + per * 8, f + per + per * 8 + per * 2};
     rows[m] = a;
   }
   return rows;
