@@ -32,11 +32,6 @@
 #define LANES_K 1 /* k-quant rows on one vpdpbusd per 64 values: see `tokens_lanes` */
 #endif
 #endif
-#ifdef LANES_K
-#define LANES_ON 1
-#else
-#define LANES_ON 0
-#endif
 
 /* ggml's type codes (the values GGUF files store) */
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
@@ -157,8 +152,8 @@ typedef struct {
   float *d, *lanes, *sums32, *sums16;
 } acts;
 
-static void quantise_row(const float* x, long K, int block, acts a) {
-  for (long b = 0; b < K / block; b++) {
+static void quantise_row(const float* x, int block, acts a, long b0, long b1) { /* blocks b0 .. b1 - 1 of a row */
+  for (long b = b0; b < b1; b++) {
     const float* v = x + b * block;
     int8_t* q = a.q + b * block;
     /* max |v| (a NaN is skipped, as fmaxf skips it), then each value times 127 / max, rounded to nearest even (the
@@ -198,14 +193,14 @@ static void quantise_row(const float* x, long K, int block, acts a) {
 #endif
     }
     a.d[b] = d;
-    if (a.lanes_q) /* (blocks of 256) as `decode_lanes` lays out the weights: unit u, lane 4j + k */
-      for (int u = 0; u < 4; u++)
-        for (int j = 0; j < 4; j++)
-          for (int k = 0; k < 4; k++) {
-            long at = b * 256 + 64 * u + 4 * (4 * j + k), m = 16 * j + 4 * u; /* byte m of natural unit k */
-            memcpy(a.lanes_q + at, q + nibble_value(k, m), 4);
-            memcpy(a.lanes6_q + at, q + 64 * k + m, 4);
-          }
+    /* (blocks of 256) as `decode_lanes` lays out the weights: unit u, lane 4j + k */
+    for (int u = 0; (a.lanes_q || a.lanes6_q) && u < 4; u++)
+      for (int j = 0; j < 4; j++)
+        for (int k = 0; k < 4; k++) {
+          long at = b * 256 + 64 * u + 4 * (4 * j + k), m = 16 * j + 4 * u; /* byte m of natural unit k */
+          if (a.lanes_q) memcpy(a.lanes_q + at, q + nibble_value(k, m), 4);
+          if (a.lanes6_q) memcpy(a.lanes6_q + at, q + 64 * k + m, 4);
+        }
     for (int g = 0; g < block / 16; g++) a.sums16[b * (block / 16) + g] = d * (float)sums16[g];
     for (int g = 0; g < block / 32; g++) a.sums32[b * (block / 32) + g] = d * (float)(sums16[2 * g] + sums16[2 * g + 1]);
     if (block == 32)
@@ -464,14 +459,14 @@ static inline void decode_lanes(int type, const uint8_t* p, __m512i* w, __m512* 
     long block_bytes = type == Q4_K ? 144 : type == Q5_K ? 176 : 210, per = type == Q6_K ? 16 : 8;                \
     __m512 acc[T];                                                                                                 \
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();                                                      \
-    long order = type == Q6_K ? a[0].lanes6_q - a[0].lanes_q : 0; /* the same for every token (`quantise_room`) */ \
+    long order = (type == Q6_K ? a[0].lanes6_q : a[0].lanes_q) - a[0].q; /* every token's (`quantise_room`) */   \
     __m512i w[4];                                                                                                  \
     __m512 scale;                                                                                                  \
     for (long b = 0; b < blocks; b++) {                                                                            \
       prefetch_ahead(row + b * block_bytes, block_bytes);                                                          \
       decode_lanes(type, row + b * block_bytes, w, &scale, offsets + b * per);                                     \
       _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) {                                                       \
-        const int8_t* x = a[t].lanes_q + order + b * 256;                                                                  \
+        const int8_t* x = a[t].q + order + b * 256;                                                                  \
         __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_loadu_si512(x));                  \
         for (int u = 1; u < 4; u++) sums = _mm512_dpbusd_epi32(sums, w[u], _mm512_loadu_si512(x + 64 * u));       \
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(scale, _mm512_set1_ps(a[t].d[b])), acc[t]); \
@@ -565,7 +560,7 @@ TOKENS_32(8)
 static void rows_blocks(int type, int block, const uint8_t* W, long row_bytes, long n0, long n1, const acts* X,
                         long M, long K, const float* bias, float* Y, long N, float* offsets) {
   long blocks = K / block;
-  int lanes = X[0].lanes_q != NULL; /* the k-quants, where `tokens_lanes` is built */
+  int lanes = X[0].lanes_q || X[0].lanes6_q; /* the k-quants, where `tokens_lanes` is built */
   for (long m0 = 0; m0 < M;) {
     long left = M - m0, T = left >= 16 && lanes ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
     for (long n = n0; n < n1; n++) {
@@ -832,14 +827,27 @@ static int block_values(int type) {
   }
 }
 
+/* Which order of `decode_lanes` a type's rows read their activations in (a bit of `quantise_room`), 0: none */
+static int lanes_layout(int type) {
+#ifdef LANES_K
+  if (type == Q6_K) return 2;
+#ifndef CATS_AMX /* (the AMX build takes Q4_K and Q5_K on `rows16`) */
+  if (type == Q4_K || type == Q5_K) return 1;
+#endif
+#endif
+  (void)type;
+  return 0;
+}
+
 /* Room for M rows of K values quantised (by `quantise_row`, for blocks of 256 or 32 values; `lanes`: with their
- * values also in the order of `decode_lanes`): the row records point
+ * values also in the orders of `decode_lanes`, bit 0 for Q4_K / Q5_K and bit 1 for Q6_K): the row records point
  * into *q and *floats (which the caller frees with the returned array). NULL if out of memory. */
 static acts* quantise_room(long M, long K, int lanes, int8_t** q, float** floats) {
   long padded = (K + 63) / 64 * 64, per = padded / 32 + 2; /* 32-value blocks per row, with room for a pair */
   long stride = per * 8 + per * 2 + per * 2 + per;          /* lanes, sums16, sums32 (or per-block d), d */
   acts* rows = malloc(sizeof(acts) * M);
-  *q = calloc((size_t)((lanes ? 3 : 1) * M * padded), 1); /* the values, then (lanes) in the orders of `decode_lanes` */
+  long copies = 1 + (lanes & 1) + (lanes >> 1 & 1); /* the values, then (lanes) in the orders of `decode_lanes` */
+  *q = calloc((size_t)(copies * M * padded), 1);
   *floats = calloc((size_t)(M * stride), sizeof(float));
   if (!rows || !*q || !*floats) {
     free(rows); free(*q); free(*floats);
@@ -848,7 +856,8 @@ static acts* quantise_room(long M, long K, int lanes, int8_t** q, float** floats
   }
   for (long m = 0; m < M; m++) {
     float* f = *floats + m * stride;
-    int8_t *lanes_q = lanes ? *q + (M + m) * padded : NULL, *lanes6_q = lanes ? *q + (2 * M + m) * padded : NULL;
+    int8_t* lanes_q = lanes & 1 ? *q + (M + m) * padded : NULL;
+    int8_t* lanes6_q = lanes & 2 ? *q + ((lanes & 1 ? 2 : 1) * M + m) * padded : NULL;
     acts a = {*q + m * padded, lanes_q, lanes6_q, f, f + per, f + per + per * 8, f + per + per * 8 + per * 2};
     rows[m] = a;
   }
@@ -877,10 +886,12 @@ struct cats_group {
 int cats_quantized_team(const struct cats_group* g, const float* X, float* Y, long M) {
   long total = 0, chunks = 0, chunk = 16, K = g->K;
   int families = 0; /* bit 0: 32-value blocks, bit 1: 256 */
+  int layouts = 0; /* the orders of `decode_lanes` the group's types take (bits of `quantise_room`) */
   for (int i = 0; i < g->count; i++) {
     int block = block_values(g->types[i]);
     if (block == 0 || K % block) return -1;
     families |= block == 32 ? 1 : block == 256 ? 2 : 0;
+    layouts |= lanes_layout(g->types[i]);
     total += g->N[i];
     chunks += (g->N[i] + chunk - 1) / chunk;
   }
@@ -892,13 +903,16 @@ int cats_quantized_team(const struct cats_group* g, const float* X, float* Y, lo
 #pragma omp single copyprivate(rows32, rows256, q32, q256, f32, f256, failed)
   {
     if (families & 1) failed |= !(rows32 = quantise_room(M, K, 0, &q32, &f32));
-    if (families & 2) failed |= !(rows256 = quantise_room(M, K, LANES_ON, &q256, &f256));
+    if (families & 2) failed |= !(rows256 = quantise_room(M, K, layouts, &q256, &f256));
   }
   if (!failed) {
+    /* fewer rows than threads (decoding): each row's blocks are shared out too */
+    long parts = M < omp_get_num_threads() ? omp_get_num_threads() : 1;
 #pragma omp for schedule(static)
-    for (long m = 0; m < M; m++) {
-      if (rows32) quantise_row(X + m * K, K, 32, rows32[m]);
-      if (rows256) quantise_row(X + m * K, K, 256, rows256[m]);
+    for (long item = 0; item < M * parts; item++) {
+      long m = item / parts, part = item % parts;
+      if (rows32) quantise_row(X + m * K, 32, rows32[m], K / 32 * part / parts, K / 32 * (part + 1) / parts);
+      if (rows256) quantise_row(X + m * K, 256, rows256[m], K / 256 * part / parts, K / 256 * (part + 1) / parts);
     }
     long padded = (K + 63) / 64 * 64;
     float* scratch = malloc(sizeof(float) * (size_t)(padded / 16 + 16)); /* a row's offsets */
