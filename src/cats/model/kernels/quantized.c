@@ -15,7 +15,8 @@
  * integer sums stay per sub-block, in int32 lanes, and are scaled per lane in float (`tokens_lanes`). F16, BF16 and F32 rows
  * multiply the float32 activations with float32 FMAs.
  *
- * Row-invariant: a row of X is quantised alone, and each output (m, n) is computed by one thread with the same
+ * Row-invariant: a row of X is quantised alone (block by block: a one-token row's blocks may be shared among the
+ * threads), and each output (m, n) is computed by one thread with the same
  * sequence of operations whatever M, the tiling of rows or the split of outputs over threads: its integer block sums
  * are exact, and its float accumulators take the blocks in order, lane by lane, then one fixed reduction. So a token's
  * output does not depend on how many tokens share the call. */
