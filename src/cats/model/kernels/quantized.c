@@ -403,26 +403,29 @@ static inline void transpose_units(__m512i* w) { /* w[u] lane 4j + k = old w[k] 
   w[3] = _mm512_unpackhi_epi64(b, e);
 }
 
+/* Bit `first` of each of bytes 0-31 and bit `second` of each of bytes 32-63 (with the bits above them that `mask`
+ * keeps) moved to bit 4: each 64 bits rotated left by 4 - s (mod 64) (a shift would lose the top byte's bits) */
+static inline __m512i bits_to_four(__m512i bytes, int first, int second, int mask) {
+  long low = (68 - first) % 64, high = (68 - second) % 64;
+  return _mm512_and_si512(_mm512_rolv_epi64(bytes, _mm512_set_epi64(high, high, high, high, low, low, low, low)),
+                          _mm512_set1_epi8((char)mask));
+}
+
 static inline void decode_lanes(int type, const uint8_t* p, __m512i* w, __m512* scale, float* offsets) {
   const __m512i low = _mm512_set1_epi8(0x0f);
   if (type == Q6_K) { /* ql[128], qh[64], int8 scales[16], d: value 64k + m (m < 64) is nibble k % 2 of byte
                          64 (k / 2) + m of ql, with bits 2 (m / 32) + 4 (k % 2) .. + 1 of byte 32 (k / 2) + m % 32
-                         of qh above it. Lane 4j + k: sub-block 4k + j */
+                         of qh above it (qh's 32 bytes in both halves of a vector). Lane 4j + k: sub-block 4k + j */
     float d = half(p + 208);
     __m128i sc = _mm_loadu_si128((const __m128i*)(p + 192));
     _mm512_storeu_ps(offsets, _mm512_mul_ps(_mm512_set1_ps(32.0f * d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc))));
     __m128i lanes = _mm_shuffle_epi8(sc, _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
     *scale = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lanes)), _mm512_set1_ps(d));
-    /* qh's 32 bytes in both halves; a rotation of each 64 bits left by 4 - s (mod 64) takes bits s, s + 1 of every
-     * byte to 4, 5 (a shift would lose the top byte's bits) */
-    const __m512i top = _mm512_set1_epi8(0x30);
-    const __m512i by_half_low = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), by_half_high = _mm512_set_epi64(62, 62, 62, 62, 0, 0, 0, 0);
     for (int h = 0; h < 2; h++) { /* values 128h .. 128h + 127: natural units 2h, 2h + 1 */
       __m512i ql = _mm512_loadu_si512(p + 64 * h);
       __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(p + 128 + 32 * h)));
-      w[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, low), _mm512_and_si512(_mm512_rolv_epi64(qh, by_half_low), top));
-      w[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low),
-                                     _mm512_and_si512(_mm512_rolv_epi64(qh, by_half_high), top));
+      w[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, low), bits_to_four(qh, 0, 2, 0x30));
+      w[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low), bits_to_four(qh, 4, 6, 0x30));
     }
     transpose_units(w);
     return;
@@ -440,13 +443,11 @@ static inline void decode_lanes(int type, const uint8_t* p, __m512i* w, __m512* 
     w[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
   }
   if (type == Q5_K) { /* bit s of byte i of the fifth bits: value 32 s + i; natural unit k takes bits (k / 2) * 4 +
-                         k % 2 (bytes 0-31 of the unit) and 2 above (bytes 32-63), moved to bit 4 */
+                         k % 2 (bytes 0-31 of the unit) and 2 above (bytes 32-63) */
     __m512i fifths = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(p + 16)));
-    const __m512i bit = _mm512_set1_epi8(0x10);
-    for (int k = 0; k < 4; k++) { /* bit s to bit 4: each 64 bits rotated left by 4 - s (mod 64) */
-      long first = 4 * (k / 2) + k % 2, left = (68 - first) % 64, right = (66 - first) % 64;
-      __m512i by_half = _mm512_set_epi64(right, right, right, right, left, left, left, left);
-      w[k] = _mm512_or_si512(w[k], _mm512_and_si512(_mm512_rolv_epi64(fifths, by_half), bit));
+    for (int k = 0; k < 4; k++) {
+      int first = 4 * (k / 2) + k % 2;
+      w[k] = _mm512_or_si512(w[k], bits_to_four(fifths, first, first + 2, 0x10));
     }
   }
   transpose_units(w);
