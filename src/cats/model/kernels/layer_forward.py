@@ -378,11 +378,8 @@ def fused_layer_forward(layer: nn.Module, hidden: torch.Tensor, attention_mask: 
     keys, values, past = slot.reserve(length, spec.Hk, spec.D, hidden.dtype)
     cos, sin = position_embeddings
     mask = _float_mask(attention_mask)
-    if length <= avx512.ATTENTION_QUERY_LIMIT and (mask is None or mask.shape[-1] == past + length):  # one chunk
-        avx512.layer(spec, hidden, cos, sin, keys, values, past, mask)
-    else:
-        for first, last, seen in avx512.query_chunks(length, past + length, mask):  # later chunks read earlier K/V
-            avx512.layer(spec, hidden[:, first:last], cos[:, first:last], sin[:, first:last], keys, values,
-                         past + first, None if mask is None else mask[first:last, :seen])
+    for first, last, seen in avx512.query_chunks(length, past + length, mask):  # later chunks read earlier ones' K/V
+        avx512.layer(spec, hidden[:, first:last], cos[:, first:last], sin[:, first:last], keys, values, past + first,
+                     None if mask is None else mask[first:last, :seen])
     slot._set_length(past + length)
     return True
