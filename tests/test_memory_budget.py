@@ -228,3 +228,26 @@ def test_a_tight_budget_reads_fewer_layers_ahead_unless_told_how_many():
         plan_for(model.hf_model, minimum_one, auto(2))
     with pytest.raises(BudgetTooSmallError, match="minimum of"):
         plan_for(model.hf_model, minimum_one - 1, auto())
+
+
+def test_the_read_ahead_left_to_the_plan_keeps_the_most_layers_resident():
+    """Left to the plan, one layer read ahead wins wherever the third stream buffer would take a resident layer's
+    room, and two where both keep as many resident; a read-ahead the caller set is kept."""
+    model = tiny_model("llama")
+    auto = lambda prefetch=None: memory_needs(model.config, torch.float64, "ar", context_tokens=32,  # noqa: E731
+                                              prefetch=prefetch)
+    full = plan_for(model.hf_model, 1 << 40, auto(2))
+    wins = ties = 0
+    for budget in [*range(full.minimum, full.planned_bytes, max(1, (full.planned_bytes - full.minimum) // 200)),
+                   full.planned_bytes]:
+        two, one, chosen = (plan_for(model.hf_model, budget, auto(2)), plan_for(model.hf_model, budget, auto(1)),
+                            plan_for(model.hf_model, budget, auto()))
+        assert chosen.resident_layers == max(two.resident_layers, one.resident_layers)
+        assert chosen.planned_bytes <= budget
+        if one.resident_layers > two.resident_layers:
+            assert chosen.needs.prefetch == 1 and chosen.pool_slots == 2
+            wins += 1
+        else:
+            assert chosen.needs.prefetch == 2 and chosen.pool_slots == two.pool_slots
+            ties += 1
+    assert wins and ties  # both cases were met

@@ -252,7 +252,8 @@ def test_generate_api_under_a_budget(tmp_path):
     prompt = prompts()[1]
     expected = hf_greedy(model, prompt, 12)
     smallest = DraftConfig(draft_layer=1, total_tokens=BUCKETS[0].total_tokens)  # the tree the budget then reserves
-    needs = memory_needs(model.config, torch.float64, "tree", smallest, context_tokens=len(prompt) + 12, prompt_tokens=len(prompt))
+    needs = memory_needs(model.config, torch.float64, "tree", smallest, context_tokens=len(prompt) + 12,
+                         prompt_tokens=len(prompt), prefetch=1)  # (the read-ahead the plan then takes)
     budget = plan_for(model.hf_model, 1 << 40, needs).with_resident(2).planned_bytes
     result = cats.generate(str(folder), prompt, method="tree", generation=GenerationConfig(max_new_tokens=12), drafting=DraftConfig(draft_layer=1), memory=MemoryConfig(budget=budget), kernels=KernelConfig(dtype="float64"))
     assert result.token_ids == expected

@@ -122,8 +122,8 @@ class DraftConfig:
 class MemoryConfig:
     """Running under a memory budget: ``budget`` in bytes, ``"300MiB"``, ``"50%"`` of the model's bytes in the
     format it runs in, or a sum (``"50%+384MiB"``) (None: no budget); ``offload_io`` ``direct`` (O_DIRECT) or
-    ``buffered``; ``prefetch`` streamed layers read ahead (None: 2, or fewer where the budget cannot hold their
-    buffers otherwise); ``layer_store``: where the layer store lives (default
+    ``buffered``; ``prefetch`` streamed layers read ahead (None: left to the plan, 2 where that keeps as many
+    layers resident as 1, else 1); ``layer_store``: where the layer store lives (default
     ``$CATS_CACHE/layers``). ``process``: the budget is the whole process's memory, as the kernel charges it (the
     command line's ``--memory-budget``): what the process holds before any weight is read (its anonymous memory when
     the model is planned: interpreter, libraries' data, tokenizer) is measured and planned for too, with 32 MiB of

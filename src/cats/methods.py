@@ -351,7 +351,7 @@ def memory_needs(config, dtype: torch.dtype, name: str = "ar", drafting: DraftCo
     of them for layer-skip and dytc), its adapters, and the largest pass it verifies (the largest speculation bucket
     when the tree size is left to the budget). The cascade's shallow layers ``[L_d, L_sv)`` run once per pass: they
     stay resident when the budget allows (as many layers as fit always do) and stream otherwise. ``prefetch``: layers
-    read ahead; None: `DEFAULT_PREFETCH`, or fewer where the budget cannot hold their buffers otherwise.
+    read ahead; None: left to the plan, from `DEFAULT_PREFETCH` down to 1, whichever keeps the most layers resident.
     ``on_blocks``: the model computes on GGUF blocks, where adapters hold their matrices as their files store them."""
     entry, d = method(name), drafting or DraftConfig()
     d.validate()

@@ -65,8 +65,8 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
                         "stream: a .gguf on its blocks from the file itself, float weights from a per-layer store in "
                         "$CATS_CACHE/layers (see docs/memory.md)")
     parser.add_argument("--prefetch", type=integer, default=None,
-                        help="with --memory-budget: streamed layers read ahead of the one computing (default 2, or 1 where the "
-                        "budget cannot hold a third buffer)")
+                        help="with --memory-budget: streamed layers read ahead of the one computing (default: 2 where that "
+                        "keeps as many layers resident as 1, else 1)")
     parser.add_argument("--offload-io", choices=("direct", "buffered"), default=None,
                         help="with --memory-budget: O_DIRECT reads (default) or buffered reads dropped from the page "
                         "cache after each layer")

@@ -57,13 +57,16 @@ def plan_for(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: lis
     (``needs.max_tree_tokens`` is set to it): a resident layer saves its read on every pass, where a larger tree
     only adds the tokens it gets accepted (Qwen2.5-Coder-1.5B at 914 MiB: reserving `cats`'s largest tree kept 2
     layers resident against 13 for `ar`, and the tree it then chose was smaller; docs/memory.md). When the read-ahead
-    is left to the budget too (``needs.prefetch_fixed`` False) and not even the smallest bucket fits with it, fewer
-    layers are read ahead, down to one (``needs.prefetch`` is set to what fits): a budget that cannot hold a third
-    stream buffer runs with two instead of refusing. The error for a budget too small names the minimum with the
-    least of both."""
+    is left to the budget too (``needs.prefetch_fixed`` False), each depth from ``needs.prefetch`` down to one is
+    planned and the one that keeps the most layers resident wins, the deeper on a tie (``needs.prefetch`` is set to
+    it): a stream buffer costs what a resident layer does, and a resident layer saves its read on every pass, where a
+    second layer read ahead only hides uneven reads (Qwen2.5-Coder-1.5B at 914 MiB: one read ahead and one more layer
+    resident ran `ar` 7 % faster and `dytc` as fast; docs/memory.md). So a budget that cannot hold a third stream
+    buffer runs with two instead of refusing. The error for a budget too small names the minimum with the least of
+    both."""
     sizes = sorted(needs.pass_sizes) or [needs.max_tree_tokens]
     depths = [needs.prefetch] if needs.prefetch_fixed else list(range(needs.prefetch, 0, -1)) or [needs.prefetch]
-    error = None
+    error, best = None, None  # best: (prefetch, tokens, plan) with the most resident layers
     for prefetch in depths:
         needs.prefetch = prefetch
         chosen = None  # (tokens, plan) of the largest pass that keeps as many layers resident as the smallest
@@ -78,10 +81,12 @@ def plan_for(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: lis
             if chosen is not None and plan.resident_layers < chosen[1].resident_layers:
                 break
             chosen = (tokens, plan)
-        if chosen is not None:
-            needs.max_tree_tokens = chosen[0]  # the plan holds ``needs``: it names the pass it was made for
-            return chosen[1]
-    raise error
+        if chosen is not None and (best is None or chosen[1].resident_layers > best[2].resident_layers):
+            best = (prefetch, *chosen)
+    if best is None:
+        raise error
+    needs.prefetch, needs.max_tree_tokens = best[0], best[1]  # the plan holds ``needs``: it names what it was made for
+    return best[2]
 
 
 def _plan(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: list[int] | None = None) -> MemoryPlan:
