@@ -251,3 +251,31 @@ def test_the_read_ahead_left_to_the_plan_keeps_the_most_layers_resident():
             assert chosen.needs.prefetch == 2 and chosen.pool_slots == two.pool_slots
             ties += 1
     assert wins and ties  # both cases were met
+
+
+def test_a_cascade_whose_shallow_layers_stream_reserves_the_bare_tree(tmp_path):
+    """The cascade adds corrections only while its shallow layers are resident: a plan that streams one of them
+    reserves the bare tree's pass (n + 1 tokens, not 2 n + 1), so it fits a smaller budget; one that keeps them all
+    reserves the corrected pass."""
+    model = tiny_model("llama")
+    new_adapter(model, "draft", 1).save(tmp_path / "draft")
+    new_adapter(model, "shallow", 3).save(tmp_path / "shallow")
+    needs = lambda: memory_needs(model.config, torch.float64, "cats", DraftConfig(adapters=str(tmp_path)),  # noqa: E731
+                                 context_tokens=32, prefetch=1)
+    corrected = 2 * BUCKETS[0].total_tokens + 1
+    roomy = plan_for(model.hf_model, 1 << 40, needs())
+    assert roomy.resident_layers == model.config.num_hidden_layers and roomy.needs.max_tree_tokens >= corrected
+    tight, budget = None, roomy.planned_bytes
+    while True:  # the smallest budget that runs, in steps of 4 KiB
+        try:
+            tight, smallest = plan_for(model.hf_model, budget, needs()), budget
+        except BudgetTooSmallError:
+            break
+        budget -= 4096
+    assert tight.resident_layers < 3 and tight.needs.max_tree_tokens == BUCKETS[0].total_tokens + 1
+    fixed = memory_needs(model.config, torch.float64, "cats", DraftConfig(adapters=str(tmp_path),
+                                                                          total_tokens=BUCKETS[0].total_tokens),
+                         context_tokens=32, prefetch=1)  # a tree size the caller set keeps its corrected pass
+    assert plan_for(model.hf_model, 1 << 40, fixed).minimum > smallest
+    with pytest.raises(BudgetTooSmallError):
+        plan_for(model.hf_model, smallest, fixed)

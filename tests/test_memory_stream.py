@@ -260,6 +260,38 @@ def test_generate_api_under_a_budget(tmp_path):
     assert result.stats.offload["streamed_layers"] == [2, LAYERS] and result.stats.peak_rss_mb > 0
 
 
+def test_cascade_with_streamed_shallow_layers_verifies_the_bare_tree_it_planned(tmp_path):
+    """`cats` with the draft size left to the budget, its shallow verifier above the resident layers: the plan
+    reserves the bare tree's pass (no corrections while those layers stream), the cascade adds none, every pass fits
+    what was planned, and the answer is plain greedy's."""
+    import cats
+    from cats.methods import memory_needs
+    from cats.model.adapter import new_adapter
+
+    model = deep_model("llama")
+    folder, adapters = tmp_path / "model", tmp_path / "adapters"
+    model.hf_model.save_pretrained(folder)
+    new_adapter(model, "draft", 1).save(adapters / "draft")
+    new_adapter(model, "shallow", 4).save(adapters / "shallow")
+    prompt = prompts()[1]
+    expected = hf_greedy(model, prompt, 12)
+    bare = DraftConfig(adapters=str(adapters), total_tokens=BUCKETS[0].total_tokens // 2)  # 2 n + 1 = n_0 + 1 tokens
+    needs = memory_needs(model.config, torch.float64, "cats", bare, context_tokens=len(prompt) + 12,
+                         prompt_tokens=len(prompt), prefetch=1)
+    budget = plan_for(model.hf_model, 1 << 40, needs).with_resident(2).planned_bytes
+    loaded = cats.load(str(folder), kernels=KernelConfig(dtype="float64"), memory=MemoryConfig(budget=budget),
+                       method="cats", drafting=DraftConfig(adapters=str(adapters)),
+                       context_tokens=len(prompt) + 12)
+    plan = loaded.memory_plan
+    assert plan.resident_layers < 4 and plan.needs.max_tree_tokens in {b.total_tokens + 1 for b in BUCKETS}
+    result = cats.generate(loaded, prompt, method="cats", generation=GenerationConfig(max_new_tokens=12),
+                           drafting=DraftConfig(adapters=str(adapters)))
+    assert result.token_ids == expected
+    assert result.stats.shallow["nodes_corrected"] == 0 and result.stats.offload["out_of_order"] == 0
+    assert result.stats.offload["streamed_layers"][0] == plan.resident_layers
+    loaded.close()
+
+
 def test_eagle_drafts_without_touching_streamed_layers():
     """Feature drafting runs no target layer: every pass streams the deep layers once, for several tokens."""
     from cats.draft.eagle import FeatureDrafter

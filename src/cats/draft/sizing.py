@@ -127,6 +127,8 @@ def speculation_for(model, chain: bool = False) -> tuple[SpeculationBucket, dict
         return cache[chain]
     # the buckets whose activations the plan reserved (all of them if it was made for another draft size)
     kind = "chain" if chain else (plan.needs.speculation if plan.needs.speculation in ("tree", "cascade") else "tree")
+    if kind == "cascade" and all(pass_tokens(b, kind) > plan.needs.max_tree_tokens for b in BUCKETS):
+        kind = "tree"  # planned for the bare tree: a shallow layer streams, and the cascade adds no corrections
     allowed = tuple(b for b in BUCKETS if pass_tokens(b, kind) <= plan.needs.max_tree_tokens) or BUCKETS[:1]
     bandwidth = weights.wait_for_bandwidth()
     read_s = plan.bytes_per_pass / bandwidth

@@ -63,7 +63,14 @@ def plan_for(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: lis
     second layer read ahead only hides uneven reads (Qwen2.5-Coder-1.5B at 914 MiB: one read ahead and one more layer
     resident ran `ar` 7 % faster and `dytc` as fast; docs/memory.md). So a budget that cannot hold a third stream
     buffer runs with two instead of refusing. The error for a budget too small names the minimum with the least of
-    both."""
+    both.
+
+    The cascade (``needs.speculation`` ``cascade``) adds a correction branch per node only while its shallow layers
+    ``[0, needs.shallow_layers)`` are all resident (`cats.verify.cascade.make_cascade`); a plan that streams one of
+    them verifies the bare tree. Each bucket is planned for the corrected pass all the same, and for the bare one
+    only where that does not fit: the room the larger reservation leaves absorbs the cascade's heap that the plan does
+    not price (Qwen2.5-Coder-1.5B at 914 MiB: 967-1,300 major faults with it, 1,301-6,218 and at worst half the speed
+    with a layer more resident in its place; docs/memory.md)."""
     sizes = sorted(needs.pass_sizes) or [needs.max_tree_tokens]
     depths = [needs.prefetch] if needs.prefetch_fixed else list(range(needs.prefetch, 0, -1)) or [needs.prefetch]
     error, best = None, None  # best: (prefetch, tokens, plan) with the most resident layers
@@ -71,9 +78,8 @@ def plan_for(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: lis
         needs.prefetch = prefetch
         chosen = None  # (tokens, plan) of the largest pass that keeps as many layers resident as the smallest
         for tokens in sizes:  # smallest first
-            needs.max_tree_tokens = tokens
             try:
-                plan = _plan(hf_model, budget, needs, stored_layers)
+                tokens, plan = _plan_pass(hf_model, budget, needs, stored_layers, tokens)
             except BudgetTooSmallError as too_small:
                 if chosen is None:  # not even the smallest fits: the next read-ahead, or this error
                     error = too_small
@@ -87,6 +93,24 @@ def plan_for(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: lis
         raise error
     needs.prefetch, needs.max_tree_tokens = best[0], best[1]  # the plan holds ``needs``: it names what it was made for
     return best[2]
+
+
+def _plan_pass(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: list[int] | None,
+               tokens: int) -> tuple[int, MemoryPlan]:
+    """``(tokens reserved, plan)`` for a pass of ``tokens``. The cascade's (``tokens`` = ``2 n + 1``, a correction per
+    node) falls back to the bare tree's ``n + 1`` where the corrected pass does not fit and the plan for the bare one
+    streams a shallow layer, so that no correction is added."""
+    needs.max_tree_tokens = tokens
+    try:
+        return tokens, _plan(hf_model, budget, needs, stored_layers)
+    except BudgetTooSmallError as corrected:
+        if not (needs.speculation == "cascade" and needs.shallow_layers and tokens > 1):
+            raise
+        needs.max_tree_tokens = bare = (tokens - 1) // 2 + 1
+        plan = _plan(hf_model, budget, needs, stored_layers)  # (too small for this too: its smaller minimum is named)
+        if plan.resident_layers >= needs.shallow_layers:  # (cannot happen where the corrected pass did not fit)
+            raise corrected
+        return bare, plan
 
 
 def _plan(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: list[int] | None = None) -> MemoryPlan:
