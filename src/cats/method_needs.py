@@ -121,6 +121,8 @@ def _speculation_needs(needs, kind: str) -> None:
     needs.speculation = kind  # left to the budget: plan_for reserves a bucket (`cats.model.weights.offload.plan_for`)
     needs.pass_sizes = tuple(pass_tokens(bucket, kind) for bucket in BUCKETS)
     needs.max_tree_tokens = max(needs.pass_sizes)
+    if kind == "cascade":
+        needs.bare_passes = {pass_tokens(bucket, kind): pass_tokens(bucket, "tree") for bucket in BUCKETS}
 
 
 def early_exit_needs(needs, config, held, d):

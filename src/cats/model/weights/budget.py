@@ -19,7 +19,7 @@ sizes (`PartSizes.of`); KV cache and activations are estimates from the config (
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from cats.errors import InvalidArgumentError
 from cats.model.kernels.gguf_modules import GGUFRows
@@ -173,6 +173,8 @@ class MemoryNeeds:
     speculation: str | None = None  # "chain", "tree" or "cascade" when the draft size is left to the budget: the plan
     # then reserves the largest speculation bucket that fits (max_tree_tokens), and the drafter picks among those
     pass_sizes: tuple[int, ...] = ()  # with speculation: the tokens of one pass of each bucket, the plan's candidates
+    bare_passes: dict[int, int] = field(default_factory=dict)  # the cascade's: each pass size -> that of its bare tree,
+    # the pass it verifies without corrections (while a shallow layer streams), planned where the first does not fit
     prefetch: int = DEFAULT_PREFETCH  # streamed layers read ahead of the one computing
     prefetch_fixed: bool = True  # False: the plan may read fewer ahead (down to 1) where the buffers would not fit
     runtime_bytes: int = 0  # the process's memory before any weight is read (interpreter, libraries, tokenizer), as

@@ -68,9 +68,9 @@ def plan_for(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: lis
     The cascade (``needs.speculation`` ``cascade``) adds a correction branch per node only while its shallow layers
     ``[0, needs.shallow_layers)`` are all resident (`cats.verify.cascade.make_cascade`); a plan that streams one of
     them verifies the bare tree. Each bucket is planned for the corrected pass all the same, and for the bare one
-    only where that does not fit: the room the larger reservation leaves absorbs the cascade's heap that the plan does
-    not price (Qwen2.5-Coder-1.5B at 914 MiB: 967-1,300 major faults with it, 1,301-6,218 and at worst half the speed
-    with a layer more resident in its place; docs/memory.md)."""
+    (``needs.bare_passes``) only where that does not fit: the room the larger reservation leaves absorbs the
+    cascade's heap that the plan does not price (Qwen2.5-Coder-1.5B at 914 MiB: 967-1,300 major faults with it,
+    1,301-6,218 and at worst half the speed with a layer more resident in its place; docs/memory.md)."""
     sizes = sorted(needs.pass_sizes) or [needs.max_tree_tokens]
     depths = [needs.prefetch] if needs.prefetch_fixed else list(range(needs.prefetch, 0, -1)) or [needs.prefetch]
     error, best = None, None  # best: (prefetch, tokens, plan) with the most resident layers
@@ -97,18 +97,19 @@ def plan_for(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: lis
 
 def _plan_pass(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: list[int] | None,
                tokens: int) -> tuple[int, MemoryPlan]:
-    """``(tokens reserved, plan)`` for a pass of ``tokens``. The cascade's (``tokens`` = ``2 n + 1``, a correction per
-    node) falls back to the bare tree's ``n + 1`` where the corrected pass does not fit and the plan for the bare one
-    streams a shallow layer, so that no correction is added."""
+    """``(tokens reserved, plan)`` for a pass of ``tokens``. The cascade's (a correction per node) falls back to its
+    bare tree's (``needs.bare_passes``) where the corrected pass does not fit and the plan for the bare one streams a
+    shallow layer, so that no correction is added."""
     needs.max_tree_tokens = tokens
     try:
         return tokens, _plan(hf_model, budget, needs, stored_layers)
     except BudgetTooSmallError as corrected:
-        if not (needs.speculation == "cascade" and needs.shallow_layers and tokens > 1):
+        bare = needs.bare_passes.get(tokens)
+        if bare is None:
             raise
-        needs.max_tree_tokens = bare = (tokens - 1) // 2 + 1
+        needs.max_tree_tokens = bare
         plan = _plan(hf_model, budget, needs, stored_layers)  # (too small for this too: its smaller minimum is named)
-        if plan.resident_layers >= needs.shallow_layers:  # (cannot happen where the corrected pass did not fit)
+        if plan.resident_layers >= needs.shallow_layers:  # the shallow layers resident: corrections, which do not fit
             raise corrected
         return bare, plan
 
