@@ -557,12 +557,24 @@ TOKENS_32(4)
 TOKENS_32(8)
 
 
+/* Which order of `decode_lanes` a type's rows read their activations in (a bit of `quantise_room`), 0: none */
+static int lanes_layout(int type) {
+#ifdef LANES_K
+  if (type == Q6_K) return 2;
+#ifndef CATS_AMX /* (the AMX build takes Q4_K and Q5_K on `rows16`) */
+  if (type == Q4_K || type == Q5_K) return 1;
+#endif
+#endif
+  (void)type;
+  return 0;
+}
+
 /* Rows n0 .. n1 - 1 against every token: a tile of tokens at a time (its quantised rows stay in L1), against each
  * of the rows in turn (the chunk's rows stay in L1 or L2 from one tile to the next). */
 static void rows_blocks(int type, int block, const uint8_t* W, long row_bytes, long n0, long n1, const acts* X,
                         long M, long K, const float* bias, float* Y, long N, float* offsets) {
   long blocks = K / block;
-  int lanes = X[0].lanes_q || X[0].lanes6_q; /* the k-quants, where `tokens_lanes` is built */
+  int lanes = lanes_layout(type) != 0; /* the k-quants, where `tokens_lanes` is built (and their order filled) */
   for (long m0 = 0; m0 < M;) {
     long left = M - m0, T = left >= 16 && lanes ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
     for (long n = n0; n < n1; n++) {
@@ -827,18 +839,6 @@ static int block_values(int type) {
   case F32: case F16: case BF16: return 1;
   default: return 0;
   }
-}
-
-/* Which order of `decode_lanes` a type's rows read their activations in (a bit of `quantise_room`), 0: none */
-static int lanes_layout(int type) {
-#ifdef LANES_K
-  if (type == Q6_K) return 2;
-#ifndef CATS_AMX /* (the AMX build takes Q4_K and Q5_K on `rows16`) */
-  if (type == Q4_K || type == Q5_K) return 1;
-#endif
-#endif
-  (void)type;
-  return 0;
 }
 
 /* Room for M rows of K values quantised (by `quantise_row`, for blocks of 256 or 32 values; `lanes`: with their
