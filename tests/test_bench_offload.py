@@ -16,6 +16,7 @@ from cats.bench.catalog import make_method
 from cats.bench.methods import BenchContext, MethodSettings, MethodUnavailableError
 from cats.bench.report import render_report
 from cats.bench.summary import offload_totals, summarize, within_budget
+from cats.model.weights.budget import LIBRARY_PAGES
 from tests.conftest import SMOLLM2, needs, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,7 +173,6 @@ def test_a_budgeted_bench_streams_a_gguf_from_the_file_on_its_blocks(tmp_path):
     """A .gguf on its blocks under --memory-budget (the process's: the runtime's anonymous memory, as a fresh process
     measures it, and the page cache the plan keeps for the libraries' pages, then 60 % of the file's 92 MiB): no
     layer store is made; each worker streams from the file."""
-    from cats.model.weights.budget import LIBRARY_PAGES
     from cats.model.weights.rss import runtime_baseline
 
     out = tmp_path / "bench"

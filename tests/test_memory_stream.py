@@ -9,7 +9,9 @@ import shutil
 import pytest
 import torch
 
-from cats.methods import CONFIDENCE_STOP, make_drafter
+import cats
+from cats.methods import CONFIDENCE_STOP, make_drafter, memory_needs
+from cats.model.adapter import new_adapter
 from cats.draft import EarlyExitDrafter
 from cats.draft.sizing import BUCKETS
 from cats.errors import InvalidArgumentError
@@ -65,7 +67,6 @@ def prompts():
 @pytest.mark.parametrize("family, prompt_indices", [("llama", (0, 1)), ("qwen2-swa", (1,)), ("gemma3", (1,))])
 def test_every_method_is_lossless_while_streaming(family, prompt_indices, tmp_path):
     from cats.methods import make_scorer
-    from cats.model.adapter import new_adapter
 
     model = deep_model(family)
     chosen = [prompts()[i] for i in prompt_indices]
@@ -243,9 +244,6 @@ def test_cli_prints_the_plan_and_streaming_stats(capsys, monkeypatch):
 
 
 def test_generate_api_under_a_budget(tmp_path):
-    import cats
-    from cats.methods import memory_needs
-
     model = deep_model("llama")
     folder = tmp_path / "model"
     model.hf_model.save_pretrained(folder)
@@ -264,10 +262,6 @@ def test_cascade_with_streamed_shallow_layers_verifies_the_bare_tree_it_planned(
     """`cats` with the draft size left to the budget, its shallow verifier above the resident layers: the plan
     reserves the bare tree's pass (no corrections while those layers stream), the cascade adds none, every pass fits
     what was planned, and the answer is plain greedy's."""
-    import cats
-    from cats.methods import memory_needs
-    from cats.model.adapter import new_adapter
-
     model = deep_model("llama")
     folder, adapters = tmp_path / "model", tmp_path / "adapters"
     model.hf_model.save_pretrained(folder)
