@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 
 from cats.model import LayeredModel
+from cats.model.kernels import avx512
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("CATS_SHARED", REPO_ROOT.parent / "shared"))
@@ -149,3 +152,25 @@ def stories_training_data(model: LayeredModel, folder: Path, layers: list[int]):
                                          samples_per_prompt=2, temperature=1.0, top_k=8, batch_size=4,
                                          shard_prompts=4, progress=False))
     return TrainingData.open(folder / "data", model=model)
+
+
+@contextmanager
+def whole_layer_calls() -> Iterator[list[tuple[list, int]]]:
+    """Every call of the whole-layer kernel meanwhile, ``(specs of the layers it ran, tokens)``: one spec from
+    `avx512.layer`, the consecutive layers of a forward from `avx512.layers`."""
+    calls, one, many = [], avx512.layer, avx512.layers
+
+    def layer(spec, hidden, *rest):
+        calls.append(([spec], hidden.shape[1]))
+        return one(spec, hidden, *rest)
+
+    def layers(specs, hidden, *rest):
+        calls.append((list(specs), hidden.shape[1]))
+        return many(specs, hidden, *rest)
+
+    avx512.layer, avx512.layers = layer, layers
+    try:
+        yield calls
+    finally:
+        avx512.layer, avx512.layers = one, many
+

@@ -7,11 +7,11 @@ import torch
 
 from cats.config import GenerationConfig
 from cats.loop.generator import Generator
-from cats.model import LayeredModel
+from cats.model import LayeredModel, layered
 from cats.model.kernels import avx512
 from cats.model.kernels import packing as lean
 from cats.model.kernels.layer_forward import fused_unsupported
-from conftest import COMMON, VOCAB, assert_drafters_reproduce_plain_decoding, tiny_model
+from conftest import COMMON, VOCAB, assert_drafters_reproduce_plain_decoding, tiny_model, whole_layer_calls
 
 DTYPES = [torch.bfloat16, torch.float32]
 
@@ -63,15 +63,10 @@ def test_fused_layer_computes_what_the_lean_forward_computes(family, dtype):
     assert all(model._fused_layers)
     ids = torch.randint(3, VOCAB, (20,), generator=torch.Generator().manual_seed(1))
     chunks = [ids[:9], ids[9:10], ids[10:16], ids[16:17]]  # a prompt, steps, a chain; the window slides (6)
-    calls = []
-    original = avx512.layer
-    avx512.layer = lambda *args: (calls.append(args[1].shape[1]), original(*args))[1]
-    try:
+    with whole_layer_calls() as calls:
         fused = run(model, True, chunks)
-    finally:
-        avx512.layer = original
-    assert calls and set(calls) == {9, 1, 6}  # every forward ran on it, 4 layers each
-    assert len(calls) == 4 * len(chunks)
+    # every forward ran its 4 layers in one call
+    assert [(len(specs), tokens) for specs, tokens in calls] == [(4, 9), (4, 1), (4, 6), (4, 1)]
     lean_logits = run(model, False, chunks)
     tolerance = dict(atol=0.05, rtol=0.05) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     for a, b in zip(fused, lean_logits):
@@ -123,14 +118,10 @@ def test_fused_layer_follows_a_changed_weight_and_falls_back_where_it_cannot_run
     after = run(model, True, [ids[:5]])[0]
     assert not torch.equal(before, after)
     torch.testing.assert_close(after, run(model, False, [ids[:5]])[0], atol=1e-5, rtol=1e-5)
-    calls = []
-    original = avx512.layer
-    avx512.layer = lambda *args: (calls.append(args[1].shape[1]), original(*args))[1]
-    try:
+    with whole_layer_calls() as calls:
         long = run(model, True, [ids[:5], ids[5:70]])[1]  # 65 tokens: above ATTENTION_QUERY_LIMIT, in two calls
-    finally:
-        avx512.layer = original
-    assert set(calls) == {5, avx512.ATTENTION_QUERY_LIMIT, 1}  # the prompt, then the 65 tokens in two calls
+    # the prompt's 4 layers in one call, then the 65 tokens layer by layer, each in two calls
+    assert [(len(specs), tokens) for specs, tokens in calls] == [(4, 5)] + [(1, avx512.ATTENTION_QUERY_LIMIT), (1, 1)] * 4
     assert torch.equal(long, torch.cat(run(model, True, [ids[:5]] + [ids[i:i + 1] for i in range(5, 70)])[1:]))
     torch.testing.assert_close(long, run(model, False, [ids[:5], ids[5:70]])[1], atol=1e-5, rtol=1e-5)
     lean.unpack_linears(model)
@@ -157,14 +148,38 @@ def test_a_feature_adapter_drafts_on_packed_kernels_and_stays_lossless():
     adapter = adapter.to(torch.bfloat16).eval().requires_grad_(False)
     prompt = torch.randint(3, VOCAB, (10,), generator=torch.Generator().manual_seed(3)).tolist() * 2
     plain = Generator(model).generate(prompt, GenerationConfig(max_new_tokens=24)).token_ids
-    calls = []
-    original = avx512.layer
-    avx512.layer = lambda *args: (calls.append(args[0]), original(*args))[1]
-    try:
+    with whole_layer_calls() as calls:
         drafted = Generator(model, FeatureDrafter(model, adapter, tree_topk=2, total_tokens=6, depth=3)).generate(
             prompt, GenerationConfig(max_new_tokens=24))
-    finally:
-        avx512.layer = original
     assert drafted.token_ids == plain and drafted.stats.accepted_draft_tokens > 0
     assert lean.is_packed(adapter.fc) and lean.is_packed(adapter.block.mlp.down_proj)
-    assert lean.LAYER_SPECS[adapter.block][0] in [spec for spec in calls]  # the block ran on the kernel
+    assert lean.LAYER_SPECS[adapter.block][0] in [spec for specs, _ in calls for spec in specs]  # the block ran on it
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@torch.no_grad()
+def test_a_forward_runs_its_layers_in_one_call_with_the_bits_of_a_call_per_layer(dtype, monkeypatch):
+    """Resident layers on the whole-layer kernel run in one C call per forward, split where a state is captured;
+    the hidden states, captured states and cache are those of one call per layer, bit for bit."""
+    needs(dtype)
+    model = model_with_wide_heads("mistral-swa", dtype, seed=12)
+    ids = torch.randint(3, VOCAB, (12,), generator=torch.Generator().manual_seed(13))
+
+    def forwards() -> tuple[list, list]:
+        cache, outputs, captured = model.new_cache(), [], []
+        for chunk in (ids[:9], ids[9:10], ids[10:12]):  # a prompt, a step, a chain (the window slides: 6)
+            capture = {1: None, 3: None}
+            outputs.append(model.forward_layers(model.embed(chunk), 0, model.num_layers, cache, capture=capture))
+            captured.append(capture)
+        return outputs + [cache.hf_cache.layers[i].keys for i in range(model.num_layers)], captured
+
+    with whole_layer_calls() as calls:
+        together, captured = forwards()
+    assert [(len(specs), tokens) for specs, tokens in calls] == [(1, 9), (2, 9), (1, 9), (1, 1), (2, 1), (1, 1),
+                                                                (1, 2), (2, 2), (1, 2)]
+    monkeypatch.setattr(layered, "fused_layers_forward", lambda *args: False)
+    with whole_layer_calls() as calls:
+        apart, captured_apart = forwards()
+    assert [len(specs) for specs, _ in calls] == [1] * 12
+    assert all(torch.equal(a, b) for a, b in zip(together, apart))
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(captured, captured_apart) for k in (1, 3))

@@ -25,7 +25,7 @@ from cats.model.kernels.gguf_modules import (STORED_FLOAT_TYPES, GGUFEmbedding, 
                                            stored_linears)
 from cats.model.source import gguf_metadata
 from cats.prompts import encode_prompt
-from tests.conftest import SMOLLM2, STORIES_GGUF, STORIES_HF, needs, tiny_config
+from tests.conftest import SMOLLM2, STORIES_GGUF, STORIES_HF, needs, tiny_config, whole_layer_calls
 
 pytestmark = pytest.mark.skipif(quantized.unavailable() is not None, reason=f"kernels: {quantized.unavailable()}")
 SMOLLM2_FILE = SMOLLM2 / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -86,7 +86,7 @@ def forwards(model, chunks, fused: bool) -> list[torch.Tensor]:
 
 
 @needs(SMOLLM2)
-def test_the_whole_layer_kernel_runs_the_blocks_as_the_lean_forward_does(smollm2_blocks, monkeypatch):
+def test_the_whole_layer_kernel_runs_the_blocks_as_the_lean_forward_does(smollm2_blocks):
     """Forwards of up to 64 tokens run each layer in one C call whose linears are the block kernels (q and k put back
     in transformers' order inside it): the lean forward's logits up to the rounding of the elementwise steps (which
     can move an 8-bit activation by one step), as close to the float model's, and a chain gives the bits of one-token
@@ -96,11 +96,9 @@ def test_the_whole_layer_kernel_runs_the_blocks_as_the_lean_forward_does(smollm2
     model = smollm2_blocks
     ids = torch.tensor(model.tokenizer("The capital of France is Paris. The capital of Italy is Rome, and")["input_ids"])
     chunks = [ids[:8], ids[8:9], ids[9:]]
-    calls, original = [], avx512.layer
-    monkeypatch.setattr(avx512, "layer", lambda *args: (calls.append(args[1].shape[1]), original(*args))[1])
-    fused = forwards(model, chunks, True)
-    monkeypatch.undo()
-    assert len(calls) == model.num_layers * len(chunks) and set(calls) == {8, 1, len(ids) - 9}
+    with whole_layer_calls() as calls:
+        fused = forwards(model, chunks, True)
+    assert [(len(specs), tokens) for specs, tokens in calls] == [(model.num_layers, len(chunk)) for chunk in chunks]
     lean = forwards(model, chunks, False)
     floats = forwards(cats.load_model(SMOLLM2, kernels="aten"), chunks, False)
     for a, b, reference in zip(fused, lean, floats):

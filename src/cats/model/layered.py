@@ -20,6 +20,7 @@ from cats.model.kernels.gguf_modules import GGUFEmbedding, GGUFLinear, kernel_pa
 from cats.model.kernels.layer_forward import (
     exact_attention_default,
     fused_layer_forward,
+    fused_layers_forward,
     fused_ready,
     fused_unsupported,
     lean_default,
@@ -252,6 +253,26 @@ class LayeredModel:
                 and any(self._fused_layers[start:end])):
             hidden = hidden.clone(memory_format=torch.contiguous_format)  # it works in place: not on the caller's
             fused = {kind: fused_ready(hidden, masks[kind], rotary[kind], self._fused_head_dim) for kind in kinds}
+        # every layer resident and on the whole-layer kernel: the layers between two captured states in one C call
+        together = (weights is None and fused and all(fused.values()) and all(self._fused_layers[start:end]))
+        stops = sorted({end} | ({count for count in capture if start < count < end} if capture is not None else set()))
+        first = start
+        for stop in stops:
+            if not (together and fused_layers_forward(
+                    self.layers[first:stop], hidden, [masks[kind] for kind in self.layer_types[first:stop]],
+                    [rotary[kind] for kind in self.layer_types[first:stop]], cache.hf_cache)):
+                hidden = self._layer_by_layer(first, stop, hidden, masks, rotary, fused, device_positions, cache)
+            if stop < end:
+                capture[stop] = hidden[0].clone()
+            first = stop
+        cache.record(start, end, position_ids)
+        return hidden
+
+    def _layer_by_layer(self, start: int, end: int, hidden: torch.Tensor, masks: dict, rotary: dict, fused: dict,
+                        device_positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Layers ``[start, end)`` of `forward_layers` one call each: on the whole-layer kernel where ``fused`` says
+        it runs (per attention kind), else `run_layer`; each streamed layer's weights acquired around its call."""
+        weights = self.weights
         for i in range(start, end):
             kind = self.layer_types[i]
             if weights is not None:  # a streamed layer's parameters are real only between acquire and release
@@ -263,9 +284,6 @@ class LayeredModel:
             finally:
                 if weights is not None:
                     weights.release(i)
-            if capture is not None and i + 1 in capture and i + 1 < end:
-                capture[i + 1] = hidden[0].clone()
-        cache.record(start, end, position_ids)
         return hidden
 
     def run_layer(self, i: int, hidden: torch.Tensor, mask: torch.Tensor | None, rotary, position_ids: torch.Tensor,

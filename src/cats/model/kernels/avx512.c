@@ -729,6 +729,27 @@ int cats_layer(const struct cats_layer* L, void* hidden, long T, const void* cos
   return failed;
 }
 
+/* Layers one after another on the same T tokens, in one call: what a forward's layers cost without a return to Python
+ * between them (the interpreter's work between two layers' kernels, whose 28 MB of weights have just streamed
+ * through the caches, took several times its warm time: docs/performance.md). Layer i is cats_layer(L[i], ...) with
+ * its own rotary tables cos[i] / sin[i], cache buffers kbuf[i] / vbuf[i] (kv_head[i] slots apart between heads), past[i]
+ * slots before the new tokens and mask[i] (rows mask_row[i] apart, or NULL); scratch: the most any of them needs.
+ * Returns 0, or what cats_layer returned for the first layer that failed (its index in *failed; the layers before
+ * it ran, it and those after did not). */
+int cats_layers(long count, const struct cats_layer* const* L, void* hidden, long T, const void* const* cos,
+                const void* const* sin, void* const* kbuf, void* const* vbuf, const long* kv_head, const long* past,
+                const float* const* mask, const long* mask_row, void* scratch, int threads, long* failed) {
+  for (long i = 0; i < count; i++) {
+    int done = cats_layer(L[i], hidden, T, cos[i], sin[i], kbuf[i], vbuf[i], kv_head[i], past[i], mask[i], mask_row[i],
+                          scratch, threads);
+    if (done) {
+      *failed = i;
+      return done;
+    }
+  }
+  return 0;
+}
+
 /* bytes of scratch cats_layer needs for T tokens */
 long cats_layer_scratch(const struct cats_layer* L, long T) {
   long qw = L->Hq * L->D, width = qw + 2 * L->Hk * L->D;

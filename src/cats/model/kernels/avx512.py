@@ -40,6 +40,7 @@ import ctypes
 import os
 import platform
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -83,6 +84,9 @@ def _build() -> tuple[ctypes.CDLL | None, int, str | None]:
                                        size, pointer, ctypes.c_int]
         library.cats_layer.restype = ctypes.c_int
         library.cats_layer_scratch.argtypes, library.cats_layer_scratch.restype = [spec, size], size
+        library.cats_layers.argtypes = [size, pointer, pointer, size, pointer, pointer, pointer, pointer, pointer,
+                                        pointer, pointer, pointer, pointer, ctypes.c_int, pointer]
+        library.cats_layers.restype = ctypes.c_int
     if not kinds:
         return None, 0, "this CPU has no AVX-512"
     return library, kinds, None
@@ -259,14 +263,47 @@ def layer(spec: LayerSpec, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.T
     library = _STATE["library"]
     length = hidden.shape[1]
     reference = ctypes.byref(spec)
-    needed = library.cats_layer_scratch(reference, length)
-    scratch = getattr(_SCRATCH, "buffer", None)
-    if scratch is None or scratch.numel() < needed:
-        scratch = _SCRATCH.buffer = torch.empty(max(needed, 1 << 20), dtype=torch.uint8)
+    scratch = _scratch(library.cats_layer_scratch(reference, length))
     done = library.cats_layer(reference, hidden.data_ptr(), length, cos.data_ptr(), sin.data_ptr(),
                               keys.data_ptr(), values.data_ptr(), keys.stride(1), past,
                               None if mask is None else mask.data_ptr(), 0 if mask is None else mask.stride(0),
                               scratch.data_ptr(), torch.get_num_threads())
+    _check_layer(done)
+
+
+def layers(specs: Sequence[LayerSpec], hidden: torch.Tensor, rotaries: Sequence[tuple[torch.Tensor, torch.Tensor]],
+           caches: Sequence[tuple[torch.Tensor, torch.Tensor, int]], masks: Sequence[torch.Tensor | None]) -> None:
+    """`layer` for consecutive layers in one C call (no return to Python between them): layer i is ``specs[i]`` with
+    its rotary ``(cos, sin)``, its cache ``(keys, values, past)`` and its mask, each as `layer` takes them, all on the
+    same T <= `ATTENTION_QUERY_LIMIT` tokens. ValueError if one fails (the layers before it ran; the caller sets
+    no cache length then)."""
+    library = _STATE["library"]
+    length, count = hidden.shape[1], len(specs)
+    pointers = ctypes.c_void_p * count
+    references = pointers(*(ctypes.addressof(spec) for spec in specs))
+    scratch = _scratch(max(library.cats_layer_scratch(ctypes.byref(spec), length) for spec in specs))
+    failed = ctypes.c_long(count)
+    done = library.cats_layers(
+        count, references, hidden.data_ptr(), length, pointers(*(cos.data_ptr() for cos, _ in rotaries)),
+        pointers(*(sin.data_ptr() for _, sin in rotaries)), pointers(*(keys.data_ptr() for keys, _, _ in caches)),
+        pointers(*(values.data_ptr() for _, values, _ in caches)),
+        (ctypes.c_long * count)(*(keys.stride(1) for keys, _, _ in caches)),
+        (ctypes.c_long * count)(*(past for _, _, past in caches)),
+        pointers(*(None if mask is None else mask.data_ptr() for mask in masks)),
+        (ctypes.c_long * count)(*(0 if mask is None else mask.stride(0) for mask in masks)),
+        scratch.data_ptr(), torch.get_num_threads(), ctypes.byref(failed))
+    _check_layer(done, f" (layer {failed.value} of the {count} in the call)")
+
+
+def _scratch(needed: int) -> torch.Tensor:
+    """This thread's scratch buffer for the layer kernels, grown to ``needed`` bytes."""
+    scratch = getattr(_SCRATCH, "buffer", None)
+    if scratch is None or scratch.numel() < needed:
+        scratch = _SCRATCH.buffer = torch.empty(max(needed, 1 << 20), dtype=torch.uint8)
+    return scratch
+
+
+def _check_layer(done: int, where: str = "") -> None:
     if done != 0:
-        raise ValueError("the quantised kernels cannot multiply this layer's rows" if done == -1
-                         else "out of memory in the quantised kernels")
+        raise ValueError(("the quantised kernels cannot multiply this layer's rows" if done == -1
+                          else "out of memory in the quantised kernels") + where)

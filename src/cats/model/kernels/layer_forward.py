@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -383,3 +384,26 @@ def fused_layer_forward(layer: nn.Module, hidden: torch.Tensor, attention_mask: 
                      None if mask is None else mask[first:last, :seen])
     slot._set_length(past + length)
     return True
+
+
+def fused_layers_forward(layers: Sequence[nn.Module], hidden: torch.Tensor,
+                         attention_masks: Sequence[torch.Tensor | None],
+                         position_embeddings: Sequence[tuple[torch.Tensor, torch.Tensor]], cache) -> bool:
+    """`fused_layer_forward` for consecutive ``layers`` in one C call (`avx512.layers`), layer i with
+    ``attention_masks[i]`` and ``position_embeddings[i]``, where ``hidden`` is at most `avx512.ATTENTION_QUERY_LIMIT`
+    tokens: a decode step or a verification without a return to Python between its layers. False (and nothing done)
+    if one layer's linears are not packed, or the forward is longer."""
+    length = hidden.shape[1]
+    if length > avx512.ATTENTION_QUERY_LIMIT:
+        return False
+    specs = [_layer_spec(layer, hidden.dtype) for layer in layers]
+    if any(spec is None for spec in specs):
+        return False
+    slots = [cache.layers[layer.self_attn.layer_idx] for layer in layers]
+    caches = [slot.reserve(length, spec.Hk, spec.D, hidden.dtype) for slot, spec in zip(slots, specs)]
+    floats = {id(mask): _float_mask(mask) for mask in attention_masks}  # one per attention kind
+    avx512.layers(specs, hidden, position_embeddings, caches, [floats[id(mask)] for mask in attention_masks])
+    for slot, (_, _, past) in zip(slots, caches):
+        slot._set_length(past + length)
+    return True
+
