@@ -136,7 +136,7 @@ class KVCache:
         self.hf_cache = DynamicCache()
         self.hf_cache.layers = [SlotLayer(capacity) for _ in range(num_layers)]
         initial = capacity or DEFAULT_CAPACITY
-        self._position_buffers: list[torch.Tensor] = [torch.empty(initial, dtype=torch.long) for _ in range(num_layers)]
+        self._positions = torch.empty(num_layers, initial, dtype=torch.long)  # row i: layer i's slots' position ids
         self._lengths = [0] * num_layers
 
     # ---------------------------------------------------------------- reading
@@ -146,7 +146,7 @@ class KVCache:
 
     def positions(self, layer: int = 0) -> torch.Tensor:
         """Position ids of ``layer``'s slots, shape ``[length(layer)]`` (a view: valid until the cache changes)."""
-        return self._position_buffers[layer][: self._lengths[layer]]
+        return self._positions[layer, : self._lengths[layer]]
 
     def lengths(self) -> list[int]:
         return list(self._lengths)
@@ -160,11 +160,14 @@ class KVCache:
 
         Called by the layered forward after the HF modules have appended their K/V."""
         count = position_ids.numel()
-        for i in range(start, end):
-            old = self._lengths[i]
-            buffer = self._position_buffers[i] = _grown(self._position_buffers[i], old, old + count, 0)
-            buffer[old: old + count] = position_ids
-            self._lengths[i] = old + count
+        olds = self._lengths[start:end]
+        self._positions = _grown(self._positions, max(self._lengths), max(olds) + count, 1)
+        if len(set(olds)) == 1:  # a forward's layers (the usual case): one write for all of them
+            self._positions[start:end, olds[0]: olds[0] + count] = position_ids
+        else:
+            for i, old in zip(range(start, end), olds):
+                self._positions[i, old: old + count] = position_ids
+        self._lengths[start:end] = [old + count for old in olds]
 
     def crop(self, length: int, layers: Iterable[int] | None = None) -> None:
         """Roll ``layers`` (default: all) back to their first ``length`` slots; shorter layers are untouched."""
@@ -187,7 +190,7 @@ class KVCache:
             held = slots if not slots.numel() or int(slots[-1]) < length else slots[slots < length]
             first = min(in_place, held.numel())
             self.hf_cache.layers[i].keep(held, first)
-            buffer = self._position_buffers[i]
+            buffer = self._positions[i]
             buffer[first: held.numel()] = buffer.index_select(0, held[first:])
             self._lengths[i] = held.numel()
 

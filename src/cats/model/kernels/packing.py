@@ -21,6 +21,7 @@ import contextlib
 import os
 import types
 import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -122,8 +123,9 @@ PACKING = {"off": False}  # set "off" to run packed linears eagerly (A/B timing 
 _PACKED = WeakIdKeyDictionary()  # weight tensor -> ((data_ptr, version), packed copy), for weights outside a module
 # (a packed module keeps its copy in ``module.__dict__["_packed"]``, a fused group in its first module's "_fused")
 _PANEL = WeakIdKeyDictionary()  # the same for the AVX-512 kernels' copies ("_panel" and "_fused_panel" in modules)
-LAYER_SPECS = WeakIdKeyDictionary()  # decoder layer -> its whole-layer kernel spec (`lean_layer._layer_spec`): kept
-# outside the module, which adapters deep-copy (a ctypes struct of pointers cannot be copied)
+LAYER_SPECS = weakref.WeakKeyDictionary()  # decoder layer -> its whole-layer kernel spec (`lean_layer._layer_spec`):
+# kept outside the module, which adapters deep-copy (a ctypes struct of pointers cannot be copied); modules hash by
+# identity, and this C-backed lookup costs a tenth of torch's WeakIdKeyDictionary's (looked up per layer and forward)
 
 
 @contextlib.contextmanager
