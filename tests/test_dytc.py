@@ -94,6 +94,24 @@ def test_verify_cost_scales_the_measured_shape_and_learns_the_context_term():
     assert fresh.predict(12, 100) == pytest.approx(0.030)  # unmeasured: flat, untried sizes look as cheap
 
 
+def test_verify_cost_never_extrapolates_to_attention_that_gets_cheaper_with_context():
+    """Large trees verified cheaper than the shape says at one long context (noise, a machine that sped up) must not
+    turn the context terms negative: at a longer context 32 tokens would then cost about one token's time."""
+    def forward(n):  # no attention term at all: what the short-context shape measured
+        return 0.038 + 0.011 * (n - 1)
+
+    cost = VerifyCost(shape=CostShape.of({n: forward(n) for n in (1, 2, 4, 8, 16, 32)}, context=64))
+    for _ in range(200):
+        cost.observe(4, 100, forward(4))
+    for _ in range(200):
+        cost.observe(1, 800, forward(1))
+        cost.observe(16, 800, 0.6 * forward(16))
+    assert cost.coefficients()[2] < 0  # the fit itself would have attention get cheaper with context
+    assert cost.predict(32, 1500) >= 0.5 * forward(32)  # as fitted: 0.056 s, against 0.379 measured at 64
+    assert all(cost.predict(n, 1500) >= cost.predict(n, 800) for n in (1, 4, 16, 32))
+    assert cost.predict(1, 800) == pytest.approx(forward(1), rel=0.2)  # what was observed still holds
+
+
 def test_cost_shapes_are_made_non_decreasing_from_the_right():
     shape = CostShape.of({1: 0.020, 2: 0.026, 4: 0.021, 8: 0.030}, context=10)
     assert shape.seconds == pytest.approx((0.020, 0.021, 0.021, 0.030))  # 2 tokens measured slow: a timing spike
