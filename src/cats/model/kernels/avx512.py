@@ -15,7 +15,7 @@ it is in L1, so memory and arithmetic overlap (bf16 16 rows: 1.06x one row's tim
 attention kernel serves forwards of up to `ATTENTION_QUERY_LIMIT` tokens: 1.4-4.8x packed SDPA on SmolLM2's heads.
 `layer` runs a whole Llama-style decoder layer on those kernels in one call (`cats.model.kernels.layer_forward.fused_layer_forward`
 decides where): about a quarter less time per one-token forward than the same kernels called from the lean
-forward. A model on GGUF blocks runs its layers through it too, its linears then the quantised kernels' own
+forward; `layers` runs consecutive ones in one call, so that no Python runs cold between them. A model on GGUF blocks runs its layers through it too, its linears then the quantised kernels' own
 (`cats.model.kernels.quantized.team_function`, called by the layer's thread team): Qwen2.5-Coder-1.5B Q4_K_M decodes
 1.2x faster than with the lean forward's ~40 torch ops and five kernel calls per layer.
 
