@@ -16,7 +16,7 @@ from cats.model.kernels import avx512, quantized
 from cats.model.kernels.gguf_modules import GGUFLinear
 from cats.model.weights import BudgetTooSmallError, MemoryNeeds
 from cats.prompts import encode_prompt
-from tests.conftest import SMOLLM2, STORIES_GGUF, needs
+from tests.conftest import SMOLLM2, STORIES_GGUF, needs, whole_layer_calls
 
 pytestmark = pytest.mark.skipif(quantized.unavailable() is not None, reason=f"kernels: {quantized.unavailable()}")
 SMOLLM2_FILE = SMOLLM2 / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -53,7 +53,10 @@ def test_streamed_blocks_decode_as_in_memory(in_memory, io):
         config = GenerationConfig(max_new_tokens=24)
         plain = Generator(in_memory).generate(prompt, config).token_ids
         before = streamer.snapshot()
-        assert Generator(model).generate(prompt, config).token_ids == plain
+        with whole_layer_calls() as calls:
+            assert Generator(model).generate(prompt, config).token_ids == plain
+        # each pass: the resident layers in one call, then each streamed layer in one of its own
+        assert [len(specs) for specs, _ in calls] == ([plan.resident_layers] + [1] * len(plan.streamed)) * 24
         read = streamer.snapshot().minus(before)
         assert read.acquires == len(plan.streamed) * 24  # the prefill and 23 decode passes, each over every one
         assert read.layers_read >= read.acquires - plan.pool_slots  # each read, not held over from the last pass
