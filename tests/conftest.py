@@ -173,4 +173,3 @@ def whole_layer_calls() -> Iterator[list[tuple[list, int]]]:
         yield calls
     finally:
         avx512.layer, avx512.layers = one, many
-

@@ -19,11 +19,10 @@ about 1 ms per query token and 4 ms per forward per 1000 cached tokens). Every s
 verified, so no size keeps a stale estimate. An observation is clipped to [2/3, 3/2] times the prediction before the
 update: one step descheduled by the OS must not move the curve. Predictions from a measured shape take the fit only
 as far as it can be true: ``c, d`` at least 0 (attention never gets cheaper with more context), ``a`` at least
-`MIN_SCALE`. Taken as
-fitted, large trees verified cheaply at one long context (noise, or a machine that sped up) turned ``c`` negative,
-and the extrapolation to a longer one predicted 32 tokens for a one-token forward's time: in a Spec-Bench run on
-Qwen2.5-Coder-1.5B the curve at an 800-token context read 5.8 ms for every n, and DyTC drafted 435 tokens in 27
-steps for 69 accepted (5.8 tok/s against `ar`'s 8.1). Predictions are non-decreasing in n.
+`MIN_SCALE`. Taken as fitted, large trees verified cheaply at one long context (noise, or a machine that sped up)
+turned ``c`` negative, and the extrapolation to a longer one predicted 32 tokens for a one-token forward's time: in
+a Spec-Bench run on Qwen2.5-Coder-1.5B the curve at an 800-token context read 5.8 ms for every n, and DyTC drafted
+435 tokens in 27 steps for 69 accepted (5.8 tok/s against `ar`'s 8.1). Predictions are non-decreasing in n.
 
 A model that streams its deep layers under a memory budget gets `streamed_shape` (`cats.draft.sizing.streamed_pass_s`):
 the reader fills the next layers while the current ones compute, but only as many as its buffers hold while the

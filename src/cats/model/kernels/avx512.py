@@ -13,11 +13,12 @@ so a packed model runs every linear on them when they are available, and keeps o
 weights 12 KB ahead, and from 9 rows on every tile of up to 64 rows works through each 12 KB chunk of a panel while
 it is in L1, so memory and arithmetic overlap (bf16 16 rows: 1.06x one row's time, against 1.3x without). The
 attention kernel serves forwards of up to `ATTENTION_QUERY_LIMIT` tokens: 1.4-4.8x packed SDPA on SmolLM2's heads.
-`layer` runs a whole Llama-style decoder layer on those kernels in one call (`cats.model.kernels.layer_forward.fused_layer_forward`
-decides where): about a quarter less time per one-token forward than the same kernels called from the lean
-forward; `layers` runs consecutive ones in one call, so that no Python runs cold between them. A model on GGUF blocks runs its layers through it too, its linears then the quantised kernels' own
-(`cats.model.kernels.quantized.team_function`, called by the layer's thread team): Qwen2.5-Coder-1.5B Q4_K_M decodes
-1.2x faster than with the lean forward's ~40 torch ops and five kernel calls per layer.
+`layer` runs a whole Llama-style decoder layer on those kernels in one call
+(`cats.model.kernels.layer_forward.fused_layer_forward` decides where): about a quarter less time per one-token
+forward than the same kernels called from the lean forward; `layers` runs consecutive ones in one call, so that no
+Python runs cold between them. A model on GGUF blocks runs its layers through it too, its linears then the quantised
+kernels' own (`cats.model.kernels.quantized.team_function`, called by the layer's thread team): Qwen2.5-Coder-1.5B
+Q4_K_M decodes 1.2x faster than with the lean forward's ~40 torch ops and five kernel calls per layer.
 
 **Row-invariant**: each output of a linear accumulates its products in its own register lane, k = 0, 1, 2, ... in
 order, whatever the number of rows in the call or their tiling; then bias, then (bf16) rounding to nearest even. Each

@@ -401,9 +401,7 @@ def fused_layers_forward(layers: Sequence[nn.Module], hidden: torch.Tensor,
         return False
     slots = [cache.layers[layer.self_attn.layer_idx] for layer in layers]
     caches = [slot.reserve(length, spec.Hk, spec.D, hidden.dtype) for slot, spec in zip(slots, specs)]
-    floats = {id(mask): _float_mask(mask) for mask in attention_masks}  # one per attention kind
-    avx512.layers(specs, hidden, position_embeddings, caches, [floats[id(mask)] for mask in attention_masks])
+    avx512.layers(specs, hidden, position_embeddings, caches, [_float_mask(mask) for mask in attention_masks])
     for slot, (_, _, past) in zip(slots, caches):
         slot._set_length(past + length)
     return True
-
