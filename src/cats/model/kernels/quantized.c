@@ -355,7 +355,7 @@ static inline float decode_k(int type, const uint8_t* p, v64* w, v64* scale, flo
 #endif
 }
 
-/* Tokens a[0 .. T-1] against one row of k-quant blocks into out[T], T a constant (1 to 8): each block is
+/* Tokens a[0 .. T-1] against one row of k-quant blocks into out[T], T a constant (1, 2, 4 or 8): each block is
  * decoded once for all of them; every token's operations are those it gets alone (row-invariant). `offsets`: room
  * for the row's. */
 #define TOKENS_K(T)                                                                                                \
@@ -377,7 +377,11 @@ static inline float decode_k(int type, const uint8_t* p, v64* w, v64* scale, flo
     for (int t = 0; t < T; t++)                                                                                    \
       out[t] = reduce(acc[t]) - dot_floats(offsets, type == Q6_K ? a[t].sums16 : a[t].sums32, blocks * per);      \
   }
-TOKENS_K(1) TOKENS_K(2) TOKENS_K(3) TOKENS_K(4) TOKENS_K(5) TOKENS_K(6) TOKENS_K(7) TOKENS_K(8)
+TOKENS_K(1)
+TOKENS_K(2)
+TOKENS_K(4)
+TOKENS_K(8)
+TOKENS_K(3) TOKENS_K(5) TOKENS_K(6) TOKENS_K(7) /* (`rows_other`) */
 
 #ifdef LANES_K
 /* The k-quants with the sub-block scales applied in float, per int32 lane. A block's 256 values are first split,
@@ -450,7 +454,7 @@ static inline void decode_lanes(int type, const uint8_t* p, __m512i* w, __m512* 
   transpose_units(w);
 }
 
-/* Tokens a[0 .. T-1] against one row of k-quant blocks into out[T], T a constant (1 to 16); as `tokens_k`, each block decoded
+/* Tokens a[0 .. T-1] against one row of k-quant blocks into out[T], T a constant; as `tokens_k`, each block decoded
  * once for all of them and each token's operations those it gets alone. */
 #define TOKENS_LANES(T)                                                                                            \
   static void tokens_lanes##T(int type, const uint8_t* row, long blocks, const acts* a, float* offsets,           \
@@ -475,10 +479,19 @@ static inline void decode_lanes(int type, const uint8_t* p, __m512i* w, __m512* 
       out[t] = _mm512_reduce_add_ps(acc[t]) - dot_floats(offsets, type == Q6_K ? a[t].sums16 : a[t].sums32,       \
                                                          blocks * per);                                            \
   }
-TOKENS_LANES(1) TOKENS_LANES(2) TOKENS_LANES(3) TOKENS_LANES(4) TOKENS_LANES(5) TOKENS_LANES(6) TOKENS_LANES(7)
-TOKENS_LANES(8) TOKENS_LANES(9) TOKENS_LANES(10) TOKENS_LANES(11) TOKENS_LANES(12) TOKENS_LANES(13) TOKENS_LANES(14)
-TOKENS_LANES(15) TOKENS_LANES(16)
+TOKENS_LANES(1)
+TOKENS_LANES(2)
+TOKENS_LANES(4)
+TOKENS_LANES(8)
+TOKENS_LANES(16)
+TOKENS_LANES(3) TOKENS_LANES(5) TOKENS_LANES(6) TOKENS_LANES(7) TOKENS_LANES(9) TOKENS_LANES(10) /* (`rows_other`) */
+TOKENS_LANES(11) TOKENS_LANES(12) TOKENS_LANES(13) TOKENS_LANES(14) TOKENS_LANES(15)
 #endif
+
+/* name(T) for the largest tile T in {8, 4, 2, 1} not above `tokens` (whose count the caller takes) */
+#define BY_TILE(prefix, tokens, ...)                                                                              \
+  ((tokens) >= 8 ? prefix##8(__VA_ARGS__) : (tokens) >= 4 ? prefix##4(__VA_ARGS__)                              \
+                                          : (tokens) >= 2 ? prefix##2(__VA_ARGS__) : prefix##1(__VA_ARGS__))
 
 /* ------------------------------------------------------------------------ 32-value blocks (Q4_0 ... Q8_0) */
 /* One block as 32 bytes in value order (u8; Q8_0: s8), its d, and (to `offset`) the coefficient of d_x * sum(x_q):
@@ -541,10 +554,11 @@ static inline __m256i decode_32(int type, const uint8_t* p, float* d, float* off
 #else
 #define PAIR_SCALES __m256 dw0 = _mm256_set1_ps(da), dw1 = _mm256_set1_ps(db);
 #endif
-TOKENS_32(1) TOKENS_32(2) TOKENS_32(3) TOKENS_32(4) TOKENS_32(5) TOKENS_32(6) TOKENS_32(7) TOKENS_32(8)
-#ifdef WIDE
-TOKENS_32(9) TOKENS_32(10) TOKENS_32(11) TOKENS_32(12) TOKENS_32(13) TOKENS_32(14) TOKENS_32(15) TOKENS_32(16)
-#endif
+TOKENS_32(1)
+TOKENS_32(2)
+TOKENS_32(4)
+TOKENS_32(8)
+TOKENS_32(3) TOKENS_32(5) TOKENS_32(6) TOKENS_32(7) /* (`rows_other`) */
 
 
 /* Which order of `decode_lanes` a type's rows read their activations in (a bit of `quantise_room`), 0: none */
@@ -559,43 +573,62 @@ static int lanes_layout(int type) {
   return 0;
 }
 
-/* A row against a tile of exactly T tokens, by T (index 0 unused): every count up to the largest has its own
- * function, so that a call of M tokens reads each row once per MOST tokens, not once per power of two in M. */
-typedef void (*row_tokens)(int type, const uint8_t* row, long blocks, const acts* a, float* offsets, float* out);
-static const row_tokens by_tokens_k[] = {NULL, tokens_k1, tokens_k2, tokens_k3, tokens_k4, tokens_k5, tokens_k6,
-                                         tokens_k7, tokens_k8};
-#ifdef WIDE
-static const row_tokens by_tokens_32[] = {NULL, tokens_32_1, tokens_32_2, tokens_32_3, tokens_32_4, tokens_32_5,
-                                          tokens_32_6, tokens_32_7, tokens_32_8, tokens_32_9, tokens_32_10,
-                                          tokens_32_11, tokens_32_12, tokens_32_13, tokens_32_14, tokens_32_15,
-                                          tokens_32_16};
-#else /* (AVX2: 16 vector registers, 8 tokens' accumulators at most) */
-static const row_tokens by_tokens_32[] = {NULL, tokens_32_1, tokens_32_2, tokens_32_3, tokens_32_4, tokens_32_5,
-                                          tokens_32_6, tokens_32_7, tokens_32_8};
-#endif
+/* The tile of `rows_blocks` whose count of tokens T is not a power of two and below the largest tile (a verification
+ * of 3, 5-7 or 9-15 tokens, the end of a prompt): a function of its own for each such T, so that every row is read
+ * once for the tile, not once per power of two in T. Out of line, with its loop over the rows: inside `rows_blocks`
+ * the compiler stops inlining the powers of two there, and one token's Q8_0 lm_head is then ~12 % slower. */
+#define ROWS(fn)                                                                                                  \
+  for (long n = n0; n < n1; n++) {                                                                              \
+    fn(type, W + n * row_bytes, blocks, X, offsets, out);                                                       \
+    for (long t = 0; t < T; t++) Y[t * N + n] = bias ? out[t] + bias[n] : out[t];                               \
+  }                                                                                                             \
+  break;
+__attribute__((noinline)) static void rows_other(int lanes, int type, int block, const uint8_t* W, long row_bytes,
+                                                 long n0, long n1, const acts* X, long T, long blocks,
+                                                 const float* bias, float* Y, long N, float* offsets) {
+  float out[16];
+  (void)lanes;
 #ifdef LANES_K
-static const row_tokens by_tokens_lanes[] = {NULL, tokens_lanes1, tokens_lanes2, tokens_lanes3, tokens_lanes4,
-                                             tokens_lanes5, tokens_lanes6, tokens_lanes7, tokens_lanes8,
-                                             tokens_lanes9, tokens_lanes10, tokens_lanes11, tokens_lanes12,
-                                             tokens_lanes13, tokens_lanes14, tokens_lanes15, tokens_lanes16};
+  if (lanes) {
+    switch (T) {
+      case 3: ROWS(tokens_lanes3) case 5: ROWS(tokens_lanes5) case 6: ROWS(tokens_lanes6)
+      case 7: ROWS(tokens_lanes7) case 9: ROWS(tokens_lanes9) case 10: ROWS(tokens_lanes10)
+      case 11: ROWS(tokens_lanes11) case 12: ROWS(tokens_lanes12) case 13: ROWS(tokens_lanes13)
+      case 14: ROWS(tokens_lanes14) case 15: ROWS(tokens_lanes15)
+    }
+    return;
+  }
 #endif
-#define MOST(table) ((long)(sizeof(table) / sizeof(table[0])) - 1)
+  if (block == 256) {
+    switch (T) { case 3: ROWS(tokens_k3) case 5: ROWS(tokens_k5) case 6: ROWS(tokens_k6) case 7: ROWS(tokens_k7) }
+    return;
+  }
+  switch (T) { case 3: ROWS(tokens_32_3) case 5: ROWS(tokens_32_5) case 6: ROWS(tokens_32_6) case 7: ROWS(tokens_32_7) }
+}
 
 /* Rows n0 .. n1 - 1 against every token: a tile of tokens at a time (its quantised rows stay in L1), against each
  * of the rows in turn (the chunk's rows stay in L1 or L2 from one tile to the next). */
 static void rows_blocks(int type, int block, const uint8_t* W, long row_bytes, long n0, long n1, const acts* X,
                         long M, long K, const float* bias, float* Y, long N, float* offsets) {
   long blocks = K / block;
-  const row_tokens* by = block == 32 ? by_tokens_32 : by_tokens_k;
-  long most = block == 32 ? MOST(by_tokens_32) : MOST(by_tokens_k);
-#ifdef LANES_K
-  if (lanes_layout(type)) by = by_tokens_lanes, most = MOST(by_tokens_lanes); /* (their order filled) */
-#endif
+  int lanes = lanes_layout(type) != 0; /* the k-quants, where `tokens_lanes` is built (and their order filled) */
   for (long m0 = 0; m0 < M;) {
-    long T = M - m0 < most ? M - m0 : most;
+    long left = M - m0, T = left >= 16 && lanes ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    if (left < (lanes ? 16 : 8) && (left & (left - 1))) { /* the last tile, its count not a power of two */
+      rows_other(lanes, type, block, W, row_bytes, n0, n1, X + m0, left, blocks, bias, Y + m0 * N, N, offsets);
+      break;
+    }
     for (long n = n0; n < n1; n++) {
+      const uint8_t* row = W + n * row_bytes;
       float out[16];
-      by[T](type, W + n * row_bytes, blocks, X + m0, offsets, out);
+#ifdef LANES_K
+      if (lanes) {
+        if (T == 16) tokens_lanes16(type, row, blocks, X + m0, offsets, out);
+        else BY_TILE(tokens_lanes, T, type, row, blocks, X + m0, offsets, out);
+      } else
+#endif
+      if (block == 256) BY_TILE(tokens_k, T, type, row, blocks, X + m0, offsets, out);
+      else BY_TILE(tokens_32_, T, type, row, blocks, X + m0, offsets, out);
       for (long t = 0; t < T; t++) Y[(m0 + t) * N + n] = bias ? out[t] + bias[n] : out[t];
     }
     m0 += T;
