@@ -612,9 +612,10 @@ static void rows_blocks(int type, int block, const uint8_t* W, long row_bytes, l
                         long M, long K, const float* bias, float* Y, long N, float* offsets) {
   long blocks = K / block;
   int lanes = lanes_layout(type) != 0; /* the k-quants, where `tokens_lanes` is built (and their order filled) */
+  long most = lanes ? 16 : 8;          /* the largest tile */
   for (long m0 = 0; m0 < M;) {
-    long left = M - m0, T = left >= 16 && lanes ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-    if (left < (lanes ? 16 : 8) && (left & (left - 1))) { /* the last tile, its count not a power of two */
+    long left = M - m0, T = left >= most ? most : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    if (left < most && (left & (left - 1))) { /* the last tile, its count not a power of two */
       rows_other(lanes, type, block, W, row_bytes, n0, n1, X + m0, left, blocks, bias, Y + m0 * N, N, offsets);
       break;
     }
