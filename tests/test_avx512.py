@@ -225,3 +225,22 @@ def test_packed_bf16_speculation_reproduces_packed_plain_decoding_bit_for_bit():
     assert torch.equal(chain, one_by_one)
     assert_drafters_reproduce_plain_decoding(model, prompt)
     lean.unpack_linears(model)
+
+
+@pytest.mark.parametrize("shape", [(12, 2, 1, 300, 128), (12, 2, 3, 77, 128), (9, 3, 1, 120, 64), (9, 3, 4, 60, 64),
+                                   (14, 2, 2, 50, 128), (16, 2, 1, 40, 128), (8, 1, 2, 45, 96)])
+def test_float32_attention_of_a_head_does_not_depend_on_the_heads_beside_it(shape):
+    """The float32 kernel computes the query heads of a KV head together (sharing each load of K and V): every head
+    still gets the bits it gets alone, whatever the group size (6, 3, 7, 8, 8), head size and number of queries."""
+    needs(torch.float32)
+    heads, kv_heads, queries, keys, dim = shape
+    query, key, value = attention_case(torch.float32, heads, kv_heads, queries, keys, dim, seed=heads * keys)
+    visible = torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)
+    mask = torch.zeros(queries, keys).masked_fill(~visible, torch.finfo(torch.float32).min)
+    together = avx512.attention(query, key, value, mask if queries > 1 else None, 0.09)
+    groups = heads // kv_heads
+    for h in range(heads):
+        g = h // groups
+        alone = avx512.attention(query[:, h:h + 1], key[:, g:g + 1], value[:, g:g + 1],
+                                 mask if queries > 1 else None, 0.09)
+        assert torch.equal(alone[0], together[0, :, h * dim:(h + 1) * dim])

@@ -299,73 +299,210 @@ INLINE __m512 f32_dot(const float* q, const float* k, const long D) {
   return acc;
 }
 
-/* float32 attention of one (head, query): result[j] (D / 16 vectors) = sum_s p[s] V[s, :] / sum_s p[s]. Scores 16
- * keys at a time (hidden ones get -inf); the weighted sum and the normaliser key by key in slot order, hidden keys
- * skipped. */
-INLINE void f32_attend(const float* qp, const float* kp, const float* vp, long kv_row, const float* mask, long S,
-                       const long D, float scale, float* scores, __m512* result, __m512i order) {
-  float top = -INFINITY;
+/* float32 attention of P query heads of one query that read the same KV head (head h's query at qp + h q_head, its
+ * result to out + h D): result[j] (D / 16 vectors) = sum_s p[s] V[s, :] / sum_s p[s]. Each head's operations are
+ * those it gets alone (so the result does not depend on P, nor on which heads share a call): scores 16 keys at a
+ * time, each key's dot product over D in one vector (d = 0, 16, ... in order), the 16 keys' vectors summed across
+ * lanes by `lane_sums16` (hidden keys get -inf); the weighted sum and the normaliser key by key in slot order, hidden
+ * keys skipped, then one division. The heads share each load of K and V: the 16 keys' K rows (in L1) serve
+ * SCORE_HEADS heads at a time whose queries sit in registers, and each V row serves every head, D in chunks of
+ * `value_vectors` vectors so that the sums stay in registers. So K and V are read once per query for the group of
+ * heads instead of once per head (Qwen2.5-1.5B: 6 heads per KV head). scores: room for P (S + 16) floats. */
+#define SCORE_HEADS(D) ((D) <= 64 ? 4 : (D) <= 128 ? 2 : 1)
+#define MOST_HEADS 8 /* heads per call */
+static inline long value_vectors(int P, long D) { /* chunk of D / 16 whose P sums fit in 24 registers */
+  long n = D / 16, c = P <= 2 ? 8 : P <= 6 ? 4 : 2;
+  while (c > n || n % c) c /= 2;
+  return c;
+}
+
+/* The dot products of n heads' queries (q + h q_head, in registers: n D / 16 vectors) with the 16 keys from s0 (K
+ * rows kv_row apart, each loaded once for the n heads; hidden ones 0), into x[(h 16 + i) 16 ..]: each a vector
+ * accumulated over d = 0, 16, ... in order. */
+#define SCORE_PASS(n, V)                                                                                           \
+  INLINE void score_pass_##n##_##V(const float* q, long q_head, const float* kp, long kv_row, long s0,           \
+                                   __mmask16 shown, float* x) {                                                  \
+    __m512 qv[n][V];                                                                                              \
+    _Pragma("GCC unroll 4") for (int h = 0; h < n; h++)                                                           \
+      _Pragma("GCC unroll 8") for (int d = 0; d < V; d++) qv[h][d] = _mm512_loadu_ps(q + h * q_head + 16 * d);   \
+    for (int i = 0; i < 16; i++) {                                                                                \
+      const float* kr = kp + (s0 + i) * kv_row;                                                                   \
+      __m512 acc[n];                                                                                              \
+      _Pragma("GCC unroll 4") for (int h = 0; h < n; h++) acc[h] = _mm512_setzero_ps();                          \
+      if ((shown >> i) & 1) {                                                                                     \
+        _Pragma("GCC unroll 8") for (int d = 0; d < V; d++) {                                                     \
+          __m512 k = _mm512_loadu_ps(kr + 16 * d);                                                                \
+          _Pragma("GCC unroll 4") for (int h = 0; h < n; h++) acc[h] = _mm512_fmadd_ps(qv[h][d], k, acc[h]);     \
+        }                                                                                                         \
+      }                                                                                                           \
+      _Pragma("GCC unroll 4") for (int h = 0; h < n; h++) _mm512_store_ps(x + (h * 16 + i) * 16, acc[h]);       \
+    }                                                                                                             \
+  }
+SCORE_PASS(1, 4)
+SCORE_PASS(2, 4)
+SCORE_PASS(3, 4)
+SCORE_PASS(4, 4)
+SCORE_PASS(1, 8)
+SCORE_PASS(2, 8)
+INLINE void score_pass_any(const float* q, const long D, const float* kp, long kv_row, long s0, __mmask16 shown,
+                           float* x) {
+  for (int i = 0; i < 16; i++)
+    _mm512_store_ps(x + i * 16, (shown >> i) & 1 ? f32_dot(q, kp + (s0 + i) * kv_row, D) : _mm512_setzero_ps());
+}
+
+/* The weighted sums of V of P heads, vectors c0 .. c0 + C - 1 of D / 16: acc[h] = sum over the keys shown, in slot
+ * order, of p_h[s] V[s] (p_h at scores + h stride), into out + h D + 16 c0; with c0 = 0 also each head's normaliser
+ * (total[h] += p_h[s], in the same order). Each row's C vectors are loaded once for the P heads. */
+#define VALUE_PASS(P, C)                                                                                           \
+  INLINE void value_pass_##P##_##C(const float* scores, long stride, const float* vp, long kv_row,                \
+                                   const float* mask, long S, long c0, float* total, float* out, long D) {      \
+    __m512 acc[P][C];                                                                                             \
+    _Pragma("GCC unroll 8") for (int h = 0; h < P; h++)                                                           \
+      _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[h][c] = _mm512_setzero_ps();                       \
+    for (long s = 0; s < S; s++) {                                                                                \
+      if (mask && mask[s] < HIDDEN) continue;                                                                     \
+      __m512 row[C];                                                                                              \
+      _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) row[c] = _mm512_loadu_ps(vp + s * kv_row + 16 * (c0 + c)); \
+      _Pragma("GCC unroll 8") for (int h = 0; h < P; h++) {                                                       \
+        float p = scores[h * stride + s];                                                                         \
+        if (c0 == 0) total[h] += p;                                                                               \
+        __m512 weight = _mm512_set1_ps(p);                                                                        \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[h][c] = _mm512_fmadd_ps(weight, row[c], acc[h][c]); \
+      }                                                                                                           \
+    }                                                                                                             \
+    _Pragma("GCC unroll 8") for (int h = 0; h < P; h++)                                                           \
+      _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) _mm512_storeu_ps(out + h * D + 16 * (c0 + c), acc[h][c]); \
+  }
+/* the (P, C) that `value_vectors` gives */
+VALUE_PASS(1, 8) VALUE_PASS(2, 8) VALUE_PASS(1, 4) VALUE_PASS(2, 4) VALUE_PASS(3, 4) VALUE_PASS(4, 4)
+VALUE_PASS(5, 4) VALUE_PASS(6, 4) VALUE_PASS(1, 2) VALUE_PASS(2, 2) VALUE_PASS(3, 2) VALUE_PASS(4, 2)
+VALUE_PASS(5, 2) VALUE_PASS(6, 2) VALUE_PASS(7, 2) VALUE_PASS(8, 2) VALUE_PASS(1, 1) VALUE_PASS(2, 1)
+VALUE_PASS(3, 1) VALUE_PASS(4, 1) VALUE_PASS(5, 1) VALUE_PASS(6, 1) VALUE_PASS(7, 1) VALUE_PASS(8, 1)
+#define VALUE_PASSES(P, C)                                                                                         \
+  switch ((P) * 16 + (C)) {                                                                                        \
+    case 24: value_pass_1_8(scores, stride, vp, kv_row, mask, S, c0, total, out, D); break; \
+    case 40: value_pass_2_8(scores, stride, vp, kv_row, mask, S, c0, total, out, D); break; \
+    case 20: value_pass_1_4(scores, stride, vp, kv_row, mask, S, c0, total, out, D); break; \
+    case 36: value_pass_2_4(scores, stride, vp, kv_row, mask, S, c0, total, out, D); break; \
+    case 52: value_pass_3_4(scores, stride, vp, kv_row, mask, S, c0, total, out, D); break; \
+    case 68: value_pass_4_4(scores, stride, vp, kv_row, mask, S, c0, total, out, D); break; \
+    case 84: value_pass_5_4(scores, stride, vp, kv_row, mask, S, c0, total, out, D); break; \
+    case 100: value_pass_6_4(scores, stride, vp, kv_row, mask, S, c0, total, out, D); break; \
+    case 18: value_pass_1_2(scores, stride, vp, kv_row, mask, S, c0, total, out, D); break; \
+    case 34: value_pass_2_2(scores, stride, vp, kv_row, mask, S, c0, total, out, D); break; \
+    case 50: value_pass_3_2(scores, stride, vp, kv_row, mask, S, c0, total, out, D); break; \
+    case 66: value_pass_4_2(scores, stride, vp, kv_row, mask, S, c0, total, out, D); break; \
+    case 82: value_pass_5_2(scores, stride, vp, kv_row, mask, S, c0, total, out, D); break; \
+    case 98: value_pass_6_2(scores, stride, vp, kv_row, mask, S, c0, total, out, D); break; \
+    case 114: value_pass_7_2(scores, stride, vp, kv_row, mask, S, c0, total, out, D); break; \
+    case 130: value_pass_8_2(scores, stride, vp, kv_row, mask, S, c0, total, out, D); break; \
+    case 17: value_pass_1_1(scores, stride, vp, kv_row, mask, S, c0, total, out, D); break; \
+    case 33: value_pass_2_1(scores, stride, vp, kv_row, mask, S, c0, total, out, D); break; \
+    case 49: value_pass_3_1(scores, stride, vp, kv_row, mask, S, c0, total, out, D); break; \
+    case 65: value_pass_4_1(scores, stride, vp, kv_row, mask, S, c0, total, out, D); break; \
+    case 81: value_pass_5_1(scores, stride, vp, kv_row, mask, S, c0, total, out, D); break; \
+    case 97: value_pass_6_1(scores, stride, vp, kv_row, mask, S, c0, total, out, D); break; \
+    case 113: value_pass_7_1(scores, stride, vp, kv_row, mask, S, c0, total, out, D); break; \
+    case 129: value_pass_8_1(scores, stride, vp, kv_row, mask, S, c0, total, out, D); break; \
+  }
+
+INLINE void f32_attend_heads(const int P, const float* qp, long q_head, const float* kp, const float* vp, long kv_row,
+                             const float* mask, long S, const long D, float scale, float* scores, float* out,
+                             __m512i order) {
+  const long stride = S + 16, V = D / 16, HS = SCORE_HEADS(D);
+  float top[MOST_HEADS];
+  for (int h = 0; h < P; h++) top[h] = -INFINITY;
   __m512 scaled = _mm512_set1_ps(scale);
+  float xs[MOST_HEADS * 16 * 16] __attribute__((aligned(64))); /* per head, the 16 keys' dot-product vectors */
   for (long s0 = 0; s0 < S; s0 += 16) {
     __mmask16 shown = 0;
     for (int i = 0; i < 16 && s0 + i < S; i++)
       if (!(mask && mask[s0 + i] < HIDDEN)) shown |= (__mmask16)(1u << i);
-    __m512 x[16];
-    _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++) x[i] =
-        (shown >> i) & 1 ? f32_dot(qp, kp + (s0 + i) * kv_row, D) : _mm512_setzero_ps();
-    __m512 sums = lane_sums16(x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], x[8], x[9], x[10], x[11], x[12],
-                              x[13], x[14], x[15], order);
-    __m512 masked = mask ? _mm512_maskz_loadu_ps(shown, mask + s0) : _mm512_setzero_ps();
-    __m512 values = _mm512_mask_blend_ps(shown, _mm512_set1_ps(-INFINITY),
-                                         _mm512_add_ps(_mm512_mul_ps(sums, scaled), masked));
-    top = fmaxf(top, _mm512_mask_reduce_max_ps(shown, values));
+    for (int h0 = 0; h0 < P; h0 += HS) {
+      const int n = P - h0 < HS ? P - h0 : HS;
+      const float* qh = qp + h0 * q_head;
+      float* xh = xs + h0 * 256;
+      if (D == 128 && n == 2) score_pass_2_8(qh, q_head, kp, kv_row, s0, shown, xh);
+      else if (D == 64 && n == 4) score_pass_4_4(qh, q_head, kp, kv_row, s0, shown, xh);
+      else if (D == 64 && n == 3) score_pass_3_4(qh, q_head, kp, kv_row, s0, shown, xh);
+      else if (D == 64 && n == 2) score_pass_2_4(qh, q_head, kp, kv_row, s0, shown, xh);
+      else if (D == 128) score_pass_1_8(qh, q_head, kp, kv_row, s0, shown, xh);
+      else if (D == 64) score_pass_1_4(qh, q_head, kp, kv_row, s0, shown, xh);
+      else
+        for (int h = 0; h < n; h++) score_pass_any(qh + h * q_head, D, kp, kv_row, s0, shown, xh + h * 256);
+    }
     long count = S - s0 < 16 ? S - s0 : 16;
-    _mm512_mask_storeu_ps(scores + s0, (__mmask16)((1u << count) - 1u), values);
+    __m512 masked = mask ? _mm512_maskz_loadu_ps(shown, mask + s0) : _mm512_setzero_ps();
+    for (int h = 0; h < P; h++) {
+      const float* x = xs + h * 256;
+#define X(i) _mm512_load_ps(x + 16 * (i))
+      __m512 sums = lane_sums16(X(0), X(1), X(2), X(3), X(4), X(5), X(6), X(7), X(8), X(9), X(10), X(11), X(12),
+                                X(13), X(14), X(15), order);
+#undef X
+      __m512 values = _mm512_mask_blend_ps(shown, _mm512_set1_ps(-INFINITY),
+                                           _mm512_add_ps(_mm512_mul_ps(sums, scaled), masked));
+      top[h] = fmaxf(top[h], _mm512_mask_reduce_max_ps(shown, values));
+      _mm512_mask_storeu_ps(scores + h * stride + s0, (__mmask16)((1u << count) - 1u), values);
+    }
   }
-  softmax_numerators(scores, S, top);
-  __m512 acc[16];
-  for (long j = 0; j < D / 16; j++) acc[j] = _mm512_setzero_ps();
-  float total = 0.0f;
-  for (long s = 0; s < S; s++) {
-    if (mask && mask[s] < HIDDEN) continue;
-    float p = scores[s];
-    total += p;
-    __m512 weight = _mm512_set1_ps(p);
-    for (long j = 0; j < D / 16; j++)
-      acc[j] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(vp + s * kv_row + j * 16), acc[j]);
+  for (int h = 0; h < P; h++) softmax_numerators(scores + h * stride, S, top[h]);
+  float total[MOST_HEADS];
+  for (int h = 0; h < P; h++) total[h] = 0.0f;
+  const long C = value_vectors(P, D);
+  for (long c0 = 0; c0 < V; c0 += C)
+    VALUE_PASSES(P, C)
+  for (int h = 0; h < P; h++) {
+    __m512 norm = _mm512_set1_ps(total[h]);
+    for (long j = 0; j < V; j++) _mm512_storeu_ps(out + h * D + 16 * j, _mm512_div_ps(_mm512_loadu_ps(out + h * D + 16 * j), norm));
   }
-  __m512 norm = _mm512_set1_ps(total);
-  for (long j = 0; j < D / 16; j++) result[j] = _mm512_div_ps(acc[j], norm);
 }
 
-/* work item ``item`` (= h T + t) of float32 attention: query t of head h, into out[t, h D ..] */
-INLINE void f32_attention_item(long item, long T, long groups, const float* q, long q_head, long q_row,
+/* How the float32 attention of T queries is shared out: an item is (KV head g, query t, part), and part p of g's
+ * `groups` query heads is heads [p P, (p + 1) P) of it (P = ceil(groups / parts), the last part what is left). One part
+ * per KV head and query unless that leaves the team unevenly loaded (fewer items than 4 per thread, not a multiple of
+ * them): then one head per item. A head's result is the same either way (`f32_attend_heads`). */
+static long f32_parts(long groups, long Hk, long T, int threads) {
+  long whole = (groups + MOST_HEADS - 1) / MOST_HEADS, items = Hk * T * whole;
+  return items % threads == 0 || items >= 4 * threads ? whole : groups;
+}
+
+/* work item `item` (see `f32_parts`) of float32 attention: heads of query t into out[t, h D ..]; scores: room for
+ * MOST_HEADS (S + 16) floats */
+INLINE void f32_attention_item(long item, long T, long groups, long parts, const float* q, long q_head, long q_row,
                                const float* k, const float* v, long kv_head, long kv_row, const float* mask,
                                long mask_row, float* out, long out_row, long S, long D, float scale, float* scores,
                                __m512i order) {
-  long h = item / T, t = item % T, g = h / groups;
-  const float* qp = q + h * q_head + t * q_row;
+  long part = item % parts, t = item / parts % T, g = item / parts / T;
+  long size = (groups + parts - 1) / parts, h0 = g * groups + part * size;
+  long h1 = h0 + size < (g + 1) * groups ? h0 + size : (g + 1) * groups;
+  const float* qp = q + h0 * q_head + t * q_row;
   const float* m = mask ? mask + t * mask_row : NULL;
-  __m512 result[16];
-  if (D == 64) f32_attend(qp, k + g * kv_head, v + g * kv_head, kv_row, m, S, 64, scale, scores, result, order);
-  else if (D == 128) f32_attend(qp, k + g * kv_head, v + g * kv_head, kv_row, m, S, 128, scale, scores, result, order);
-  else f32_attend(qp, k + g * kv_head, v + g * kv_head, kv_row, m, S, D, scale, scores, result, order);
-  float* row = out + t * out_row + h * D;
-  for (long j = 0; j < D / 16; j++) _mm512_storeu_ps(row + j * 16, result[j]);
+  const float *kp = k + g * kv_head, *vp = v + g * kv_head;
+  float* row = out + t * out_row + h0 * D;
+  switch (h1 - h0) {
+#define HEADS(P)                                                                                                     \
+  case P:                                                                                                            \
+    if (D == 64) f32_attend_heads(P, qp, q_head, kp, vp, kv_row, m, S, 64, scale, scores, row, order);               \
+    else if (D == 128) f32_attend_heads(P, qp, q_head, kp, vp, kv_row, m, S, 128, scale, scores, row, order);        \
+    else f32_attend_heads(P, qp, q_head, kp, vp, kv_row, m, S, D, scale, scores, row, order);                        \
+    break;
+    HEADS(1) HEADS(2) HEADS(3) HEADS(4) HEADS(5) HEADS(6) HEADS(7) HEADS(8)
+#undef HEADS
+  }
 }
 
 void cats_attention_f32(const float* q, long q_head, long q_row, const float* k, const float* v, long kv_head,
                         long kv_row, const float* mask, long mask_row, float* out, long Hq, long Hk, long T, long S,
                         long D, float scale, int threads) {
-  long groups = Hq / Hk, items = Hq * T;
+  long groups = Hq / Hk, parts = f32_parts(groups, Hk, T, threads), items = Hk * T * parts;
   __m512i order = lane_order();
 #pragma omp parallel num_threads(threads > items ? (int)items : threads)
   {
-    float* scores = (float*)malloc(sizeof(float) * (S + 16));
+    float* scores = (float*)malloc(sizeof(float) * MOST_HEADS * (S + 16));
 #pragma omp for schedule(static)
     for (long item = 0; item < items; item++)
-      f32_attention_item(item, T, groups, q, q_head, q_row, k, v, kv_head, kv_row, mask, mask_row, out, Hq * D, S, D,
-                         scale, scores, order);
+      f32_attention_item(item, T, groups, parts, q, q_head, q_row, k, v, kv_head, kv_row, mask, mask_row, out, Hq * D,
+                         S, D, scale, scores, order);
     free(scores);
   }
 }
@@ -644,7 +781,7 @@ int cats_layer(const struct cats_layer* L, void* hidden, long T, const void* cos
   void* gate_up = at; at += T * 2 * I * size;
   void* activated = at;
   long groups = Hq / Hk, passes = (groups + GROUP_HEADS - 1) / GROUP_HEADS;
-  long items = bf16 ? Hk * T * passes : Hq * T;
+  long parts = f32_parts(groups, Hk, T, threads), items = bf16 ? Hk * T * passes : Hk * T * parts;
   __m512i order = lane_order();
   const long* qk_order = L->blocks ? L->qk_order : NULL;
   int failed = 0;
@@ -684,10 +821,10 @@ int cats_layer(const struct cats_layer* L, void* hidden, long T, const void* cos
       bf16_buffers_free(buffers);
 #endif
     } else {
-      float* scores = (float*)malloc(sizeof(float) * (S + 16));
+      float* scores = (float*)malloc(sizeof(float) * MOST_HEADS * (S + 16));
 #pragma omp for schedule(static)
       for (long item = 0; item < items; item++)
-        f32_attention_item(item, T, groups, (const float*)query, D, qw, (const float*)kbuf, (const float*)vbuf, kv_head,
+        f32_attention_item(item, T, groups, parts, (const float*)query, D, qw, (const float*)kbuf, (const float*)vbuf, kv_head,
                            D, mask, mask_row, (float*)attended, qw, S, D, L->scale, scores, order);
       free(scores);
     }
