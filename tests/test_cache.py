@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from cats.model.cache import KVCache, SlotLayer
@@ -27,6 +28,20 @@ def test_slot_layer_grows_crops_and_keeps_in_place():
     assert layer.keys[0, 1, :, 0].tolist() == [0, 1, 2, 3, 4, 50]
     layer.keep(torch.tensor([0, 2, 5]))
     assert layer.keys[0, 0, :, 0].tolist() == [0, 2, 50] and layer.values[0, 0, :, 0].tolist() == [0, -2, -50]
+
+
+def test_slot_layer_views_follow_its_length_and_cannot_be_replaced():
+    """keys/values are views of the filled slots made when read; assigning other tensors to them (transformers'
+    offload or beam reordering would) is refused instead of being silently lost."""
+    layer = SlotLayer(capacity=8)
+    assert layer.keys is None and layer.values is None
+    layer.update(*kv(5))
+    layer.crop(-3)
+    assert layer.keys.shape[-2] == 2 and layer.values[0, 0, :, 0].tolist() == [0, -1]
+    with pytest.raises(AttributeError, match="views of its buffers"):
+        layer.keys = torch.zeros(1, 2, 2, 3)
+    with pytest.raises(AttributeError, match="views of its buffers"):
+        layer.values = torch.zeros(1, 2, 2, 3)
 
 
 def test_keep_moves_only_the_slots_after_the_prefix_in_place():

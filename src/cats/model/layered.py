@@ -264,7 +264,7 @@ class LayeredModel:
             if stop == first:
                 continue
             if not (together and stop <= resident and fused_layers_forward(
-                    self.layers[first:stop], hidden, [masks[kind] for kind in self.layer_types[first:stop]],
+                    list(self.layers)[first:stop], hidden, [masks[kind] for kind in self.layer_types[first:stop]],
                     [rotary[kind] for kind in self.layer_types[first:stop]], cache.hf_cache)):
                 hidden = self._layer_by_layer(first, stop, hidden, masks, rotary, fused, device_positions, cache)
             if capture is not None and stop in capture and stop < end:

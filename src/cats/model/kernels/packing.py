@@ -142,10 +142,8 @@ def packing_off():
 
 def _weight_key(weight: torch.Tensor) -> tuple:
     """What identifies a weight's contents: its storage and (outside inference mode) its version counter."""
-    try:
-        return weight.data_ptr(), weight._version
-    except RuntimeError:  # an inference tensor has no version counter
-        return weight.data_ptr(), None
+    # an inference tensor has no version counter (asking raises, which costs more than this check)
+    return weight.data_ptr(), None if weight.is_inference() else weight._version
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
