@@ -98,8 +98,9 @@ def test_an_odd_number_of_32_value_blocks(path, name):
 @pytest.mark.parametrize("name", QUANTISED + FLOATS)
 def test_a_tokens_output_does_not_depend_on_the_others(path, name):
     """Row-invariant: each row computed alone, or among 1..36 others, gives the same bits (every count of tokens
-    below the largest tile has a kernel of its own: 37 are taken 16 + 16 + 5 on the k-quants' lanes, 8 + 8 + 8 + 8 + 5
-    on the other blocks, 4 at a time on float rows; 768 columns: 3 blocks of 256, so a k-quant row's 8 offsets per block end in half a vector)."""
+    below the largest tile has a kernel of its own: 37 are taken 16 + 16 + 5 on the k-quants' lanes, the two full
+    tiles from rows decoded once (a prompt's path), 8 + 8 + 8 + 8 + 5 on the other blocks, 4 at a time on float rows;
+    768 columns: 3 blocks of 256, so a k-quant row's 8 offsets per block end in half a vector)."""
     rng = np.random.default_rng(2)
     raw, _ = random_tensor(name, 33, 768, rng)
     x = rng.standard_normal((37, 768)).astype(np.float32)
