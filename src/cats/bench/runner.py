@@ -42,7 +42,7 @@ from cats.bench.answers import (
 from cats.bench.catalog import make_method
 from cats.bench.cgroup import MemoryCgroup, find_hierarchy
 from cats.bench.llama_server import LLAMA_SERVER_METHODS
-from cats.bench.memory import PeakRssSampler
+from cats.bench.memory import PeakRss, how_measured
 from cats.bench.methods import (
     HF_METHODS,
     LLAMA_CPP_METHODS,
@@ -241,7 +241,7 @@ def run_bench(config: BenchConfig) -> dict:
         "memory_limit": config.memory_limit, "memory_limit_mb": memory.get("limit_mb"),
         "runtime_baseline_mb": baseline["peak_rss_mb"],
         "peak_rss_method": ("each method in its own process: VmHWM, loading included" if budgeted
-                            else "one process, RSS sampled while each method ran (shared weights included)"),
+                            else f"one process, {how_measured()} while each method ran (shared weights included)"),
     }
     if sampling.acceptance == "typical":
         rule = make_acceptance(sampling.acceptance, sampling.temperature, sampling.typical_tau, sampling.typical_alpha)
@@ -283,7 +283,7 @@ def run_in_process(config: BenchConfig, questions: list[Question], out: Path, mo
     answers: dict[str, list[dict]] = {name: [] for name in methods}
     writers = {name: AnswerWriter(out / f"{name}.jsonl") for name in methods}
     try:
-        with PeakRssSampler() as rss:
+        with PeakRss() as rss:
             for name, method in methods.items():
                 for _ in range(config.warmup):
                     with rss.measuring(name):
