@@ -45,8 +45,8 @@ def reset_high_water_mark() -> bool:
 
 def how_measured(interval_s: float = 0.005) -> str:
     """How `PeakRss` measures here."""
-    return ("the kernel's high-water mark (VmHWM), reset before each run" if reset_high_water_mark()
-            else f"RSS sampled every {interval_s * 1000:.0f} ms")
+    return ("the kernel's high-water mark (VmHWM) over each method's runs, reset before each" if reset_high_water_mark()
+            else f"RSS sampled every {interval_s * 1000:.0f} ms while each method ran")
 
 
 class PeakRss:

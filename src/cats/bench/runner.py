@@ -241,7 +241,7 @@ def run_bench(config: BenchConfig) -> dict:
         "memory_limit": config.memory_limit, "memory_limit_mb": memory.get("limit_mb"),
         "runtime_baseline_mb": baseline["peak_rss_mb"],
         "peak_rss_method": ("each method in its own process: VmHWM, loading included" if budgeted
-                            else f"one process, {how_measured()} while each method ran (shared weights included)"),
+                            else f"one process, {how_measured()} (shared weights included)"),
     }
     if sampling.acceptance == "typical":
         rule = make_acceptance(sampling.acceptance, sampling.temperature, sampling.typical_tau, sampling.typical_alpha)
