@@ -58,8 +58,8 @@ def render_report(summary: dict, requested_methods: list[str] | None = None) -> 
         "over drafted tokens, for methods that draft",
         ("- peak RSS: each method ran alone in its own process under the budget; its peak resident memory "
          "(VmHWM, loading included)" if summary.get("memory_budget") else
-         "- peak RSS: the process's resident memory while the method ran (shared weights included); a method in a "
-         "process of its own (llama-server): that process's peak (VmHWM)"),
+         f"- peak RSS: the process's peak resident memory while the method ran, {summary.get('peak_rss_method', '')}; "
+         "a method in a process of its own (llama-server): that process's peak (VmHWM)"),
         *([f"- memory budget: {summary['memory_budget']} = {summary['memory_budget_mb']:.1f} MiB; runtime baseline "
            f"{summary['runtime_baseline_mb']:.1f} MiB (torch, transformers, CATS, tokenizer, weightless skeleton); "
            "within budget: peak RSS <= budget x 1.1 + baseline"] if summary.get("memory_budget") else
