@@ -95,23 +95,13 @@ class SlotLayer(CacheLayerMixin):
     def _set_length(self, length: int) -> None:
         self.length = length
 
+    def _filled(self, buffer: torch.Tensor | None) -> torch.Tensor | None:
+        return None if buffer is None else buffer[:, :, :self.length]
+
     # ``keys``/``values``: views of the filled slots, made when read (a view costs ~4 us, and the whole-layer kernel
     # never reads them: made on every length change they cost ~0.2 ms a Qwen2.5-1.5B decode step)
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return None if self._keys is None else self._keys[:, :, :self.length]
-
-    @keys.setter
-    def keys(self, value) -> None:
-        _only_none(value)
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return None if self._values is None else self._values[:, :, :self.length]
-
-    @values.setter
-    def values(self, value) -> None:
-        _only_none(value)
+    keys = property(lambda self: self._filled(self._keys), lambda self, value: _only_none(value))
+    values = property(lambda self: self._filled(self._values), lambda self, value: _only_none(value))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
