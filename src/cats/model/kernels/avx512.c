@@ -224,7 +224,7 @@ void cats_linear_bf16(const uint16_t* W, const uint16_t* X, const float* bias, u
  * T is, and a key it does not see (mask below -1e30) contributes nothing: no score, and exactly nothing to either sum,
  * so a query gets the same bits whether other queries' keys sit between its own or not. Scores: per key, the dot
  * product over D accumulates in one vector, then 16 keys' vectors are summed across lanes together, each by the same
- * tree of additions; then scale, mask, and softmax in float32 with an exp accurate to ~1 ulp. float32 (f32_attend):
+ * tree of additions; then scale, mask, and softmax in float32 with an exp accurate to ~1 ulp. float32 (f32_attend_heads):
  * the weighted sum of V and the normaliser accumulate key by key, in slot order, hidden keys skipped. bf16
  * (bf16_attend_group): over the list of the keys the query sees, see there. (Compiled with -ffp-contract=off: no
  * fused multiply-add appears that the source does not spell out.) */
@@ -453,7 +453,8 @@ INLINE void f32_attend_heads(const int P, const float* qp, long q_head, const fl
     VALUE_PASSES(P, C)
   for (int h = 0; h < P; h++) {
     __m512 norm = _mm512_set1_ps(total[h]);
-    for (long j = 0; j < V; j++) _mm512_storeu_ps(out + h * D + 16 * j, _mm512_div_ps(_mm512_loadu_ps(out + h * D + 16 * j), norm));
+    for (long j = 0; j < V; j++)
+      _mm512_storeu_ps(out + h * D + 16 * j, _mm512_div_ps(_mm512_loadu_ps(out + h * D + 16 * j), norm));
   }
 }
 
@@ -515,7 +516,7 @@ INLINE __m512 bf16_dot(const __m512bh* query, const uint16_t* k, const long D) {
   return acc;
 }
 /* bf16 attention, the query heads of one KV head together: the keys a query sees are listed first (in slot order),
- * and everything after runs over that list, so hidden keys take no part at all. Scores as in f32_attend, per head;
+ * and everything after runs over that list, so hidden keys take no part at all. Scores as in f32_attend_heads, per head;
  * softmax in float32 (the normaliser a vector sum over the list, lanes by list position); the weighted sum of V runs
  * over consecutive pairs of listed keys by vdpbf16ps (V rows interleaved pairwise, the probabilities rounded to
  * bf16 by vcvtneps2bf16, as flash attention rounds them), for up to GROUP_HEADS heads per pass sharing each pair's load. */
@@ -824,8 +825,8 @@ int cats_layer(const struct cats_layer* L, void* hidden, long T, const void* cos
       float* scores = (float*)malloc(sizeof(float) * MOST_HEADS * (S + 16));
 #pragma omp for schedule(static)
       for (long item = 0; item < items; item++)
-        f32_attention_item(item, T, groups, parts, (const float*)query, D, qw, (const float*)kbuf, (const float*)vbuf, kv_head,
-                           D, mask, mask_row, (float*)attended, qw, S, D, L->scale, scores, order);
+        f32_attention_item(item, T, groups, parts, (const float*)query, D, qw, (const float*)kbuf, (const float*)vbuf,
+                           kv_head, D, mask, mask_row, (float*)attended, qw, S, D, L->scale, scores, order);
       free(scores);
     }
     LAYER_LINEAR(L->o, L->o_bias, attended, projected, H, qw)

@@ -454,6 +454,24 @@ static inline void decode_lanes(int type, const uint8_t* p, __m512i* w, __m512* 
   transpose_units(w);
 }
 
+/* One block of a row, decoded (`decode_lanes`: its units w and its lanes' scales), against tokens a[0 .. T-1]
+ * (activations from byte `at` of each token's row, in the lanes' order), added to acc[t]; then each token's output:
+ * its lanes summed, less the row's offsets times the token's sums. */
+static inline __attribute__((always_inline)) void lanes_block(const int T, const __m512i* w, __m512 scale,
+                                                              const acts* a, long at, long b, __m512* acc) {
+  _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) {
+    const int8_t* x = a[t].q + at;
+    __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_loadu_si512(x));
+    for (int u = 1; u < 4; u++) sums = _mm512_dpbusd_epi32(sums, w[u], _mm512_loadu_si512(x + 64 * u));
+    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(scale, _mm512_set1_ps(a[t].d[b])), acc[t]);
+  }
+}
+static inline __attribute__((always_inline)) void lanes_out(const int T, int type, const __m512* acc, const acts* a,
+                                                            const float* offsets, long count, float* out) {
+  for (int t = 0; t < T; t++)
+    out[t] = _mm512_reduce_add_ps(acc[t]) - dot_floats(offsets, type == Q6_K ? a[t].sums16 : a[t].sums32, count);
+}
+
 /* Tokens a[0 .. T-1] against one row of k-quant blocks into out[T], T a constant; as `tokens_k`, each block decoded
  * once for all of them and each token's operations those it gets alone. */
 #define TOKENS_LANES(T)                                                                                            \
@@ -468,16 +486,9 @@ static inline void decode_lanes(int type, const uint8_t* p, __m512i* w, __m512* 
     for (long b = 0; b < blocks; b++) {                                                                            \
       prefetch_ahead(row + b * block_bytes, block_bytes);                                                          \
       decode_lanes(type, row + b * block_bytes, w, &scale, offsets + b * per);                                     \
-      _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) {                                                       \
-        const int8_t* x = a[t].q + order + b * 256;                                                                  \
-        __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_loadu_si512(x));                  \
-        for (int u = 1; u < 4; u++) sums = _mm512_dpbusd_epi32(sums, w[u], _mm512_loadu_si512(x + 64 * u));       \
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(scale, _mm512_set1_ps(a[t].d[b])), acc[t]); \
-      }                                                                                                            \
+      lanes_block(T, w, scale, a, order + b * 256, b, acc);                                                        \
     }                                                                                                              \
-    for (int t = 0; t < T; t++)                                                                                    \
-      out[t] = _mm512_reduce_add_ps(acc[t]) - dot_floats(offsets, type == Q6_K ? a[t].sums16 : a[t].sums32,       \
-                                                         blocks * per);                                            \
+    lanes_out(T, type, acc, a, offsets, blocks * per, out);                                                        \
   }
 /* A row's blocks decoded once (`decode_lanes`: 4 units, then the lanes' float scales) for the tiles of a prompt:
  * `tokens_lanes16` on blocks read back from `decoded` instead of decoding them again for every tile; the same
@@ -485,6 +496,15 @@ static inline void decode_lanes(int type, const uint8_t* p, __m512i* w, __m512* 
 #define DECODED_BYTES (5 * 64) /* a block's units and scales */
 #define DECODED_ROWS 16         /* most rows decoded at a time: a chunk of `cats_quantized_team` */
 #define DECODED_L1 (32 * 1024)  /* bytes of decoded rows that the tiles then read: L1 */
+/* Rows of `blocks` k-quant blocks decoded together for a call of M tokens: as many as stay in L1 (at most a chunk),
+ * or 0 where the call does not take decoded rows: fewer than two full tiles of 16 tokens, or rows so long that fewer
+ * than 8 stay decoded (measured: Qwen2.5-1.5B's K = 1536 rows ~17 % faster at 64 tokens; its K = 8960 rows, 2 at a
+ * time, up to 7 % slower, so they stay on the loop of `rows_blocks`). */
+static long decoded_rows(long M, long blocks) {
+  long group = DECODED_L1 / (blocks * DECODED_BYTES);
+  group = group > DECODED_ROWS ? DECODED_ROWS : group;
+  return M >= 32 && group >= DECODED_ROWS / 2 ? group : 0;
+}
 static void decode_row_lanes(int type, const uint8_t* row, long blocks, uint8_t* decoded, float* offsets) {
   long block_bytes = type == Q4_K ? 144 : type == Q5_K ? 176 : 210, per = type == Q6_K ? 16 : 8;
   __m512i w[4];
@@ -507,17 +527,9 @@ static void decoded_lanes16(int type, const uint8_t* decoded, long blocks, const
     const uint8_t* in = decoded + b * DECODED_BYTES;
     __m512i w[4];
     for (int u = 0; u < 4; u++) w[u] = _mm512_load_si512(in + 64 * u);
-    __m512 scale = _mm512_load_ps(in + 256);
-    _Pragma("GCC unroll 16") for (int t = 0; t < 16; t++) {
-      const int8_t* x = a[t].q + order + b * 256;
-      __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_loadu_si512(x));
-      for (int u = 1; u < 4; u++) sums = _mm512_dpbusd_epi32(sums, w[u], _mm512_loadu_si512(x + 64 * u));
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(scale, _mm512_set1_ps(a[t].d[b])), acc[t]);
-    }
+    lanes_block(16, w, _mm512_load_ps(in + 256), a, order + b * 256, b, acc);
   }
-  for (int t = 0; t < 16; t++)
-    out[t] = _mm512_reduce_add_ps(acc[t]) - dot_floats(offsets, type == Q6_K ? a[t].sums16 : a[t].sums32,
-                                                       blocks * per);
+  lanes_out(16, type, acc, a, offsets, blocks * per, out);
 }
 TOKENS_LANES(1)
 TOKENS_LANES(2)
@@ -655,11 +667,8 @@ static void rows_blocks(int type, int block, const uint8_t* W, long row_bytes, l
   long most = lanes ? 16 : 8;          /* the largest tile */
   long m0 = 0;
 #ifdef LANES_K
-  long group = DECODED_L1 / (blocks * DECODED_BYTES); /* rows decoded together: as many as stay in L1 */
-  group = group > DECODED_ROWS ? DECODED_ROWS : group;
-  if (lanes && decoded && M >= 2 * most && n1 - n0 <= DECODED_ROWS && group >= DECODED_ROWS / 2) {
-    /* a prompt, rows short enough that 8 or more stay decoded in L1 (measured: Qwen2.5-1.5B's K = 1536 rows ~17 %
-     * faster at 64 tokens; its K = 8960 rows, 2 at a time, up to 7 % slower, so they stay on the loop below) */
+  long group = lanes && decoded && n1 - n0 <= DECODED_ROWS ? decoded_rows(M, blocks) : 0;
+  if (group) { /* a prompt: each row decoded once for all its full tiles */
     long per = type == Q6_K ? 16 : 8, whole = M / most * most;
     float* row_offsets = (float*)(decoded + DECODED_ROWS * blocks * DECODED_BYTES);
     for (long g0 = n0; g0 < n1; g0 += group) {
@@ -1029,7 +1038,7 @@ int cats_quantized_team(const struct cats_group* g, const float* X, float* Y, lo
     float* scratch = malloc(sizeof(float) * (size_t)(padded / 16 + 16)); /* a row's offsets */
     uint8_t* decoded = NULL; /* a prompt's k-quant rows, decoded once for all its tiles (`rows_blocks`) */
 #ifdef LANES_K
-    if (layouts && M >= 32)
+    if (layouts && decoded_rows(M, K / 256))
       decoded = aligned_alloc(64, (size_t)(DECODED_ROWS * (K / 256) * (DECODED_BYTES + 16 * sizeof(float))));
 #endif
 #ifdef CATS_AMX
