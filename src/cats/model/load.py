@@ -30,7 +30,10 @@ from cats.model.source import (
     local_folder,
     resolve_dtype,
 )
+from cats.model.weights.large_pages import read_in_large_pages
 from cats.model.weights.offload import load_under_budget
+
+SMALL_PAGES_MARKER = "small-pages.json"  # in a GGUF file's metadata folder: refilling its cache gave no 2 MiB pages
 
 
 def check_device(device) -> None:
@@ -94,6 +97,8 @@ def load_model(
         weights, plan = None, None
         if memory_budget is None:
             hf_model = load_gguf_model(gguf, metadata, attn_implementation)
+            mapping = hf_model.gguf_mapping
+            read_in_large_pages(mapping.path, mapping.address, mapping.size, metadata / SMALL_PAGES_MARKER)
         else:
             hf_model, plan, weights = load_gguf_under_budget(gguf, metadata, memory_budget, memory_needs, offload_io,
                                                              attn_implementation, layer_store)
