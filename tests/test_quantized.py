@@ -185,3 +185,21 @@ def test_several_linears_in_one_call_are_the_separate_calls_side_by_side(path):
     together = quantized.linears(torch.from_numpy(x), group).numpy()
     separate = np.concatenate([run(x, raw, name, b) for name, raw, _, b in parts], axis=1)
     assert together.shape == (6, 35) and np.array_equal(together, separate)
+
+
+@pytest.mark.parametrize("name", QUANTISED + FLOATS)
+def test_rows_as_floats_are_gguf_pys_bit_for_bit(path, name):
+    """`dequantized_rows` (an embedding's lookup) gives the values of gguf-py's dequantisation, every bit (random
+    bits in every field, so a product fused with its sum into one rounding would show), for all rows or any rows."""
+    rng = np.random.default_rng(zlib.crc32(f"rows {name}".encode()))
+    raw, _ = random_tensor(name, 24, 512, rng)
+    expected = dequantize(raw, GGMLQuantizationType[name]).reshape(24, 512).astype(np.float32)
+    blocks, code = torch.from_numpy(raw), quantized.TYPES[name]
+    every = quantized.dequantized_rows(blocks, code, 512).numpy()
+    assert np.array_equal(every.view(np.uint32), expected.view(np.uint32))
+    picked = quantized.dequantized_rows(blocks, code, 512, torch.tensor([[5, 0], [23, 5]])).numpy()
+    assert np.array_equal(picked.view(np.uint32), expected[[5, 0, 23, 5]].view(np.uint32))
+    with pytest.raises(IndexError, match="outside"):
+        quantized.dequantized_rows(blocks, code, 512, torch.tensor([24]))
+    with pytest.raises(IndexError, match="outside"):
+        quantized.dequantized_rows(blocks, code, 512, torch.tensor([-1]))

@@ -5,7 +5,8 @@ They replace transformers' ``nn.Linear`` and ``nn.Embedding`` in the model trans
 (`cats.model.gguf_model`); every other module (norms, rotary embedding, attention) stays transformers' own and runs
 in float32. The stored rows are a registered parameter, ``blocks`` (uint8, no gradient), so the model's parameters
 count the bytes it holds. ``dequantized`` gives float32 rows (gguf-py's dequantisation, the values the float path
-computes with) for the few callers that need values: a fingerprint, a reduced head, training.
+computes with; from the kernels' library where it runs, the same bits) for the callers that need values: the
+embedding's lookup, a fingerprint, a reduced head, training.
 """
 from __future__ import annotations
 
@@ -47,9 +48,14 @@ class GGUFRows(nn.Module):
         return GGMLQuantizationType(self.type_code).name
 
     def dequantized(self, index=slice(None)) -> torch.Tensor:
-        """Rows ``index`` (a slice or a tensor of row numbers, in the model's order) as float32 ``[n, columns]``."""
+        """Rows ``index`` (a slice or a tensor of row numbers, in the model's order) as float32 ``[n, columns]``: from
+        the quantised kernels' library where it runs (`quantized.dequantized_rows`, the same values), else gguf-py."""
         if self.order is not None:
             index = self.order[index].reshape(-1)
+        if quantized.unavailable() is None and quantized.supports(self.type_code, self.columns):
+            if isinstance(index, slice):
+                index = None if index == slice(None) else torch.arange(self.blocks.shape[0])[index]
+            return quantized.dequantized_rows(self.blocks, self.type_code, self.columns, index)
         rows = self.blocks[index] if isinstance(index, slice) else self.blocks.index_select(0, index.reshape(-1).cpu())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)

@@ -959,6 +959,22 @@ static int block_values(int type) {
   }
 }
 
+/* Bytes of one block of `type` (of `block_values` values). */
+static long block_bytes_of(int type) {
+  switch (type) {
+  case Q4_0: return 18;
+  case Q4_1: return 20;
+  case Q5_0: return 22;
+  case Q5_1: return 24;
+  case Q8_0: return 34;
+  case Q4_K: return 144;
+  case Q5_K: return 176;
+  case Q6_K: return 210;
+  case F16: case BF16: return 2;
+  default: return 4;
+  }
+}
+
 /* Room for M rows of K values quantised (by `quantise_row`, for blocks of 256 or 32 values; `lanes`: with their
  * values also in the orders of `decode_lanes`, bit 0 for Q4_K / Q5_K and bit 1 for Q6_K): the row records point
  * into *q and *floats (which the caller frees with the returned array). NULL if out of memory. */
@@ -1141,6 +1157,103 @@ int cats_quantized_linears(int count, const int* types, const uint8_t* const* W,
 int cats_quantized_linear(int type, const uint8_t* W, long row_bytes, const float* X, const float* bias, float* Y,
                           long M, long N, long K, int threads) {
   return cats_quantized_linears(1, &type, &W, &row_bytes, &N, &bias, X, Y, M, K, threads);
+}
+
+/* ------------------------------------------------------------------------------------- rows as float32 */
+/* One block of `type` at p as float32 values, those gguf-py's dequantisation gives: each value's product and sum in
+ * its order and float32 rounding (the function is compiled without contraction into FMAs, which would round once
+ * where gguf-py rounds twice). */
+__attribute__((optimize("fp-contract=off"))) static void block_floats(int type, const uint8_t* p, float* out) {
+  switch (type) {
+    case Q4_0: case Q4_1: {
+      float d = half(p), m = type == Q4_1 ? half(p + 2) : 0.0f;
+      const uint8_t* q = p + (type == Q4_1 ? 4 : 2);
+      for (int i = 0; i < 32; i++) {
+        int v = i < 16 ? q[i] & 15 : q[i - 16] >> 4;
+        out[i] = type == Q4_1 ? d * (float)v + m : d * (float)(v - 8);
+      }
+      return;
+    }
+    case Q5_0: case Q5_1: {
+      float d = half(p), m = type == Q5_1 ? half(p + 2) : 0.0f;
+      const uint8_t* h = p + (type == Q5_1 ? 4 : 2);
+      uint32_t high;
+      memcpy(&high, h, 4);
+      for (int i = 0; i < 32; i++) {
+        int v = (i < 16 ? h[4 + i] & 15 : h[4 + i - 16] >> 4) | (int)((high >> i) & 1) << 4;
+        out[i] = type == Q5_1 ? d * (float)v + m : d * (float)(v - 16);
+      }
+      return;
+    }
+    case Q8_0: {
+      float d = half(p);
+      for (int i = 0; i < 32; i++) out[i] = (float)(int8_t)p[2 + i] * d;
+      return;
+    }
+    case Q4_K: case Q5_K: {
+      float d = half(p), dmin = half(p + 2);
+      const uint8_t* s = p + 4;
+      const uint8_t* qh = p + 16;
+      const uint8_t* ql = p + (type == Q5_K ? 48 : 16);
+      for (int j = 0; j < 8; j++) {
+        int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | ((s[j - 4] >> 2) & 0x30);
+        int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+        float scale = d * (float)sc, offset = dmin * (float)mn;
+        for (int i = 0; i < 32; i++) {
+          int v = (ql[32 * (j / 2) + i] >> (4 * (j % 2))) & 15;
+          if (type == Q5_K) v |= ((qh[i] >> j) & 1) << 4;
+          out[32 * j + i] = scale * (float)v - offset;
+        }
+      }
+      return;
+    }
+    case Q6_K: {
+      const uint8_t* ql = p;
+      const uint8_t* qh = p + 128;
+      const int8_t* sc = (const int8_t*)(p + 192);
+      float d = half(p + 208);
+      for (int v = 0; v < 256; v++) {
+        int h = v / 128, r = v % 128;
+        int low = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 15;
+        int high = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
+        out[v] = (d * (float)sc[v / 16]) * (float)((low | high << 4) - 32);
+      }
+      return;
+    }
+  }
+}
+
+/* Rows of a GGUF tensor as float32: out[i, :] = row rows[i] of W (N rows; rows NULL: row i), `columns` values
+ * each, as gguf-py dequantises them (an embedding's looked-up rows: a few microseconds where gguf-py's numpy code
+ * takes 0.1-0.5 ms a call). Returns -1 for a type it does not take, -2 for a row number outside [0, N). */
+int cats_quantized_rows(int type, const uint8_t* W, long row_bytes, long N, const int64_t* rows, long n, long columns,
+                        float* out) {
+  int block = block_values(type);
+  if (block == 0 || columns % block) return -1;
+  for (long i = 0; i < n; i++)
+    if (rows ? rows[i] < 0 || rows[i] >= N : i >= N) return -2;
+  for (long i = 0; i < n; i++) {
+    const uint8_t* row = W + (rows ? rows[i] : i) * row_bytes;
+    float* values = out + i * columns;
+    if (type == F32) {
+      memcpy(values, row, columns * sizeof(float));
+    } else if (type == F16 || type == BF16) {
+      for (long k = 0; k < columns; k++) {
+        uint16_t bits;
+        memcpy(&bits, row + 2 * k, 2);
+        if (type == F16) {
+          values[k] = _cvtsh_ss(bits);
+        } else {
+          uint32_t wide = (uint32_t)bits << 16;
+          memcpy(values + k, &wide, 4);
+        }
+      }
+    } else {
+      long bytes = block_bytes_of(type);
+      for (long b = 0; b < columns / block; b++) block_floats(type, row + b * bytes, values + b * block);
+    }
+  }
+  return 0;
 }
 
 /* A small call of every type: the child process that checks this build runs it (an instruction the CPU cannot

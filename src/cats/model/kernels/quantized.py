@@ -89,6 +89,10 @@ def _load(isa: str) -> tuple[ctypes.CDLL | None, str | None]:
                     several = library.cats_quantized_linears
                     several.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_long] * 2 + [ctypes.c_int]
                     several.restype = ctypes.c_int
+                    rows = library.cats_quantized_rows
+                    rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                                     ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+                    rows.restype = ctypes.c_int
                 _STATE[isa] = (library if reason is None else None, reason)
     return _STATE[isa]
 
@@ -225,4 +229,21 @@ def linear(hidden: torch.Tensor, blocks: torch.Tensor, type_code: int, columns: 
     if done != 0:
         raise ValueError(f"the quantised kernels cannot multiply {TYPE_NAMES.get(type_code, type_code)} rows of "
                          f"{columns} values" if done == -1 else "out of memory in the quantised kernels")
+    return out
+
+
+def dequantized_rows(blocks: torch.Tensor, type_code: int, columns: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``rows`` (int64 row numbers; None: all) of ``blocks`` (uint8 ``[N, row bytes]``, type ``type_code``) as
+    float32 ``[n, columns]``: the values gguf-py's dequantisation gives, bit for bit, without its numpy overhead."""
+    library = _library_in_use()
+    if rows is not None:
+        rows = rows.reshape(-1).to(torch.int64).contiguous()
+    count = blocks.shape[0] if rows is None else rows.numel()
+    out = torch.empty(count, columns, dtype=torch.float32)
+    done = library.cats_quantized_rows(type_code, blocks.data_ptr(), blocks.stride(0), blocks.shape[0],
+                                       None if rows is None else rows.data_ptr(), count, columns, out.data_ptr())
+    if done == -1:
+        raise ValueError(f"the quantised kernels do not take {TYPE_NAMES.get(type_code, type_code)} rows of {columns}")
+    if done == -2:
+        raise IndexError(f"row numbers outside [0, {blocks.shape[0]})")
     return out
