@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
 import cats
+from cats.bench.methods import BenchContext, CatsMethod
 from cats.config import GenerationConfig
 from cats.draft import PromptLookupDrafter, TreeDrafter
 from cats.draft.recycle import TokenRecyclingDrafter
@@ -24,6 +25,7 @@ from cats.model.adapter import load_adapter, new_adapter
 from cats.model.kernels.gguf_modules import (STORED_FLOAT_TYPES, GGUFEmbedding, GGUFLinear, StoredLinear,
                                            stored_linears)
 from cats.model.source import gguf_metadata
+from cats.model.weights.rss import page_cache_bytes
 from cats.prompts import encode_prompt
 from tests.conftest import SMOLLM2, STORIES_GGUF, STORIES_HF, needs, tiny_config, whole_layer_calls
 
@@ -55,6 +57,18 @@ def test_the_default_runs_the_files_blocks_without_a_float_copy(smollm2_blocks):
     assert len(mapped) == len(held)  # every weight, norm included, is a view of the file: no copy
     reordered = [m for m in linears if m.order is not None]  # Llama's q and k, stored in llama.cpp's row order
     assert len(reordered) == 2 * 30
+
+
+@needs(SMOLLM2)
+def test_loading_reads_the_whole_file_in_and_says_how_it_is_paged(smollm2_blocks):
+    """Loaded without a budget, every page of the file is in memory before the first token, and the model records
+    how much of it the kernel mapped in 2 MiB pages, which the bench's reports name beside the kernels."""
+    mapping = smollm2_blocks.hf_model.gguf_mapping
+    assert page_cache_bytes([mapping.path]) >= mapping.size  # (whole pages: the last one rounds up)
+    pages = smollm2_blocks.large_pages
+    assert pages is not None and 0 < pages.alignable_bytes <= mapping.size and 0.0 <= pages.share <= 1.0
+    weights = CatsMethod("ar", BenchContext(model=smollm2_blocks, model_source=str(SMOLLM2))).describe()["weights"]
+    assert weights.endswith(f"{pages.share:.0%} in 2 MiB pages") and weights.startswith("GGUF Q4_1+Q8_0, gguf-blocks/")
 
 
 @needs(SMOLLM2)

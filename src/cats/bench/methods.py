@@ -206,6 +206,8 @@ class CatsMethod(BenchMethod):
             info["cascade"] = self.scorer.describe()
         model = self.generator.model
         info["weights"] = f"{model.weight_format}, {model.kernel_path}"
+        if model.large_pages is not None:
+            info["weights"] += f", {model.large_pages.share:.0%} in 2 MiB pages"
         if model.memory_plan is not None:
             info["streamed_layers"] = [model.memory_plan.resident_layers, model.num_layers]
         if self.drafter is not None and self.drafter.speculation is not None:

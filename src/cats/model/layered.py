@@ -117,6 +117,7 @@ class LayeredModel:
         self._rotary_per_layer_type = "layer_type" in rotary_params
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         self.packed = False  # bf16 linears routed through prepacked oneDNN weights (`cats.model.kernels.packing.pack_linears`)
+        self.large_pages = None  # a GGUF file's mapping in 2 MiB pages at load (`cats.model.weights.large_pages`)
         # the lean layer forward (`cats.model.kernels.layer_forward`) where the layer class has one; set False for the modules'
         # own forward (default: on unless CATS_LEAN=0)
         self.lean = lean_default()

@@ -94,16 +94,17 @@ def load_model(
         metadata = gguf_metadata(gguf)
         if tokenizer is None:
             tokenizer = load_tokenizer_from(str(metadata), model)
-        weights, plan = None, None
+        weights, plan, pages = None, None, None
         if memory_budget is None:
             hf_model = load_gguf_model(gguf, metadata, attn_implementation)
             mapping = hf_model.gguf_mapping
-            read_in_large_pages(mapping.path, mapping.address, mapping.size, metadata / SMALL_PAGES_MARKER)
+            pages = read_in_large_pages(mapping.path, mapping.address, mapping.size, metadata / SMALL_PAGES_MARKER)
         else:
             hf_model, plan, weights = load_gguf_under_budget(gguf, metadata, memory_budget, memory_needs, offload_io,
                                                              attn_implementation, layer_store)
         layered = LayeredModel(hf_model, tokenizer, name=str(model))
         layered.attach_weights(weights, plan)
+        layered.large_pages = pages
         return layered
     folder = local_folder(str(model))
     try:
