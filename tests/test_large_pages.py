@@ -90,3 +90,17 @@ def test_without_transparent_huge_pages_the_cache_is_left_alone(mapped_file, tmp
     result = large_pages.read_in_large_pages(path, data.ctypes.data, data.shape[0], tmp_path / "marker.json")
     assert not result.refilled and not (tmp_path / "marker.json").exists()
     assert page_cache_bytes([path]) == data.shape[0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux's madvise and /proc/self/smaps")
+def test_a_cache_partly_in_small_pages_is_refilled_without_giving_up(mapped_file, tmp_path, monkeypatch):
+    """63 % in 2 MiB pages (another program filled part of the cache) is refilled; a refill that still leaves some
+    small pages (pages another process maps stay) does not mark the kernel as giving none."""
+    path, data = mapped_file
+    alignable = large_pages.alignable_bytes(data.ctypes.data, data.shape[0])
+    shares = iter([0.63, 0.5])
+    monkeypatch.setattr(large_pages, "large_page_bytes", lambda address, size, smaps=None: int(next(shares) * alignable))
+    monkeypatch.setattr(large_pages, "transparent_huge_pages", lambda: True)
+    marker = tmp_path / "small-pages.json"
+    result = large_pages.read_in_large_pages(path, data.ctypes.data, data.shape[0], marker)
+    assert result.refilled and result.large_bytes == int(0.5 * alignable) and not marker.exists()

@@ -15,12 +15,13 @@ process's faults) keeps its small folios until the file leaves the cache. No cal
 in place (``MADV_COLLAPSE`` takes files only on kernels built with ``READ_ONLY_THP_FOR_FS``).
 
 `read_in_large_pages` therefore advises the mapping ``MADV_HUGEPAGE``, faults every page in
-(``MADV_POPULATE_READ``; llama.cpp maps its files with ``MAP_POPULATE`` likewise), and where less than half of it
-came out in 2 MiB pages, hands its pages back, drops the file from the page cache (``POSIX_FADV_DONTNEED``: pages
-other processes map stay) and faults it in again: one more read from storage, after which the cache holds the file
-in 2 MiB folios for every later process. Where even that leaves small pages (a filesystem, kernel or setting
-without large folios), a marker next to the file's metadata says so, and later loads on the same kernel do not
-drop the cache again.
+(``MADV_POPULATE_READ``; llama.cpp maps its files with ``MAP_POPULATE`` likewise), and where less than 90 % of it
+came out in 2 MiB pages (a cache filled partly by another program's reads: 63 % was seen after ``llama-server``
+had run under a memory limit), hands its pages back, drops the file from the page cache (``POSIX_FADV_DONTNEED``:
+pages other processes map stay) and faults it in again: one more read from storage, after which the cache holds the
+file in 2 MiB folios for every later process. Where even that leaves next to no large pages (a filesystem, kernel
+or setting without large folios), a marker next to the file's metadata says so, and later loads on the same
+kernel do not drop the cache again.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ from pathlib import Path
 LARGE_PAGE = 2 << 20
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 MADV_POPULATE_READ = 22  # Linux 5.14
-MOSTLY = 0.5  # below this share of 2 MiB pages the cache is refilled
+REFILL_BELOW = 0.9  # below this share of 2 MiB pages the cache is dropped and read again
+NONE_BELOW = 0.1  # below this share after that, the kernel gives the file no 2 MiB pages: marked, not tried again
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 _libc = None
@@ -125,7 +127,7 @@ def read_in_large_pages(path: Path, address: int, size: int, marker: Path | None
     if not _madvise(address, size, MADV_POPULATE_READ):
         return None
     large, alignable = large_page_bytes(address, size), alignable_bytes(address, size)
-    if large is None or alignable == 0 or large >= MOSTLY * alignable:
+    if large is None or alignable == 0 or large >= REFILL_BELOW * alignable:
         return None if large is None else LargePages(large, alignable, refilled=False)
     if not transparent_huge_pages() or _marked_small(marker):
         return LargePages(large, alignable, refilled=False)
@@ -137,6 +139,6 @@ def read_in_large_pages(path: Path, address: int, size: int, marker: Path | None
         os.close(descriptor)
     _madvise(address, size, MADV_POPULATE_READ)
     large = large_page_bytes(address, size) or 0
-    if large < MOSTLY * alignable:
+    if large < NONE_BELOW * alignable:
         _mark_small(marker)
     return LargePages(large, alignable, refilled=True)
