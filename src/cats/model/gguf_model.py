@@ -13,10 +13,8 @@ applied to the row order of quantised tensors and to the values of float ones.
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import mmap
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,13 +30,8 @@ from cats.model.gguf_names import shared_name_maps
 from cats.model.kernels import quantized
 from cats.model.kernels.gguf_modules import GGUFEmbedding, GGUFLinear, file_rows
 from cats.model.source import TENSOR_INDEX
+from cats.model.weights.large_pages import madvise, release_pages
 
-
-try:
-    _LIBC = ctypes.CDLL(None, use_errno=True)
-    _LIBC.madvise.argtypes, _LIBC.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-except (OSError, AttributeError):  # no C library with madvise: pages are left to the kernel
-    _LIBC = None
 
 
 class Unsupported(Exception):
@@ -81,27 +74,18 @@ class FileMapping:
         """Tell the kernel that ``tensor``'s pages are read at random (``MADV_RANDOM``): a fault reads its own page
         only, not the pages around it (an embedding table, of which each token reads one row)."""
         offset = self.offset_of(tensor)
-        if offset is None or _LIBC is None:
+        if offset is None:
             return
         page = mmap.PAGESIZE
         first = (self.address + offset) // page * page
         last = self.address + offset + tensor.numel() * tensor.element_size()
-        _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_RANDOM)
+        madvise(first, last - first, mmap.MADV_RANDOM)
 
     def release(self, offset: int, length: int) -> None:
         """Hand the pages of bytes ``[offset, offset + length)`` back to the kernel: unmapped from this process
         (``MADV_DONTNEED``; read again from the file if touched) and dropped from the page cache where no one else
         maps them (``POSIX_FADV_DONTNEED``). Only whole pages inside the range are released."""
-        page = mmap.PAGESIZE
-        first = -(-(self.address + offset) // page) * page
-        last = (self.address + offset + length) // page * page
-        if last > first and _LIBC is not None:
-            _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
-        descriptor = os.open(self.path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(descriptor, offset, length, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(descriptor)
+        release_pages(self.path, self.address, offset, length)
 
 
 class _File:

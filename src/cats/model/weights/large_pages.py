@@ -1,4 +1,5 @@
-"""A memory-mapped model file read through 2 MiB pages (Linux).
+"""A memory-mapped model file's pages (Linux): read in through 2 MiB pages (`read_in_large_pages`), advised
+(`madvise`), handed back (`release_pages`).
 
 A decode step reads every resident weight once, so its speed is the memory's read bandwidth, and that depends on
 the pages the file is mapped in. In 4 KiB pages a 1 GiB file takes 262144 page-table entries, and a sequential read
@@ -41,15 +42,32 @@ REFILL_BELOW = 0.9  # below this share of 2 MiB pages the cache is dropped and r
 NONE_BELOW = 0.1  # below this share after that, the kernel gives the file no 2 MiB pages: marked, not tried again
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
-_libc = None
+try:
+    _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    _LIBC.madvise.argtypes, _LIBC.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+except (OSError, AttributeError):  # no C library with madvise: pages are left to the kernel
+    _LIBC = None
 
 
-def _madvise(address: int, length: int, advice: int) -> bool:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        _libc.madvise.argtypes, _libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), advice) == 0
+def madvise(address: int, length: int, advice: int) -> bool:
+    """``madvise(2)`` on ``[address, address + length)``; False where it failed or there is no C library."""
+    return _LIBC is not None and _LIBC.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), advice) == 0
+
+
+def release_pages(path: Path, address: int, offset: int, length: int) -> None:
+    """Hand the pages of bytes ``[offset, offset + length)`` of ``path``, mapped at ``address``, back to the kernel:
+    unmapped from this process (``MADV_DONTNEED``; read again from the file if touched) and dropped from the page
+    cache where no one else maps them (``POSIX_FADV_DONTNEED``). Only whole pages inside the range are unmapped."""
+    page = mmap.PAGESIZE
+    first = -(-(address + offset) // page) * page
+    last = (address + offset + length) // page * page
+    if last > first:
+        madvise(first, last - first, mmap.MADV_DONTNEED)
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(descriptor, offset, length, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(descriptor)
 
 
 @dataclass(frozen=True)
@@ -123,21 +141,16 @@ def read_in_large_pages(path: Path, address: int, size: int, marker: Path | None
     """Fault in all of ``path`` mapped read-only at ``[address, address + size)``, in 2 MiB pages where the kernel
     can (see the module docstring); ``marker``: a file that records a kernel on which refilling the cache did not
     help. None where the kernel does not say how the mapping is held (no ``/proc``, no ``madvise``)."""
-    _madvise(address, size, MADV_HUGEPAGE)
-    if not _madvise(address, size, MADV_POPULATE_READ):
+    madvise(address, size, MADV_HUGEPAGE)
+    if not madvise(address, size, MADV_POPULATE_READ):
         return None
     large, alignable = large_page_bytes(address, size), alignable_bytes(address, size)
     if large is None or alignable == 0 or large >= REFILL_BELOW * alignable:
         return None if large is None else LargePages(large, alignable, refilled=False)
     if not transparent_huge_pages() or _marked_small(marker):
         return LargePages(large, alignable, refilled=False)
-    _madvise(address, size, mmap.MADV_DONTNEED)  # unmapped here, so the cache can drop them
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(descriptor)
-    _madvise(address, size, MADV_POPULATE_READ)
+    release_pages(path, address, 0, size)  # unmapped here, so the cache can drop them
+    madvise(address, size, MADV_POPULATE_READ)
     large = large_page_bytes(address, size) or 0
     if large < NONE_BELOW * alignable:
         _mark_small(marker)
