@@ -12,9 +12,12 @@ from cats.config import GenerationConfig
 from cats.draft import PromptLookupDrafter, TreeDrafter
 from cats.errors import InvalidArgumentError
 from cats.loop.generator import Generator
+from cats.methods import make_drafter, memory_needs
 from cats.model.kernels import avx512, quantized
 from cats.model.kernels.gguf_modules import GGUFLinear
+from cats.model.identity import model_fingerprint
 from cats.model.weights import BudgetTooSmallError, MemoryNeeds
+from cats.model.weights.stream_order import load_stream_order
 from cats.prompts import encode_prompt
 from tests.conftest import SMOLLM2, STORIES_GGUF, needs, whole_layer_calls
 
@@ -104,3 +107,29 @@ def test_llama_rows_in_the_files_order_stream_too():
     with torch.no_grad():
         assert torch.equal(model.forward(ids, model.new_cache()), resident.forward(ids, resident.new_cache()))
     model.close()
+
+
+@needs(SMOLLM2)
+def test_the_shipped_stream_order_streams_what_layer_skip_skips(in_memory, monkeypatch, tmp_path):
+    """SmolLM2's GGUF under a budget for layer-skip and dytc: the first layers of its shipped stream order stream from
+    the file (not the deepest), the drafts run the resident layers alone (one sweep of the streamed layers per
+    verification pass), and both decode what the model in memory decodes."""
+    monkeypatch.setenv("CATS_CACHE", str(tmp_path))  # the shipped order, not one calibrated here
+    order = load_stream_order(model_fingerprint(in_memory), in_memory.num_layers)
+    assert order is not None and 0 not in order.layers
+    prompt = encode_prompt(in_memory, "List three uses of a paperclip.", chat=True)
+    config = GenerationConfig(max_new_tokens=24)
+    plain = Generator(in_memory).generate(prompt, config).token_ids
+    for method in ("layer-skip", "dytc"):
+        needs_of = memory_needs(in_memory.config, torch.float32, method, context_tokens=256, prefetch=1,
+                                on_blocks=True)
+        model = cats.load_model(SMOLLM2, memory_budget="90MiB", memory_needs=needs_of)
+        plan = model.memory_plan
+        assert len(plan.streamed) > 0 and plan.streamed == order.skipped(len(plan.streamed)), method
+        drafter = make_drafter(method, model)
+        result = Generator(model, drafter, method=method).generate(prompt, config)
+        assert result.token_ids == plain, method
+        counts = result.stats.offload
+        assert counts["acquires"] == len(plan.streamed) * result.stats.target_forwards, method
+        assert counts["streamed_layers"] == list(plan.streamed) and counts["out_of_order"] == 0
+        model.close()

@@ -59,7 +59,7 @@ def test_planner_hand_computed():
     text = plan.describe()
     assert "streamed layers [2, 6) (4 of 6): 32.0 KiB read per verification pass" in text
     assert "stream buffers (2 x 8.0 KiB)" in text and "resident layers [0, 2)" in text
-    assert plan.to_dict()["streamed_layers"] == [2, 6]
+    assert plan.to_dict()["streamed_layers"] == [2, 3, 4, 5]
 
 
 def test_draft_vocabulary_rows_are_priced_as_the_head_holds_its_rows():
@@ -113,10 +113,12 @@ def test_memory_needs_per_method(tmp_path):
     assert (cats.min_resident_layers, cats.shallow_layers) == (1, 2)  # draft layers resident, shallow ones if room
     assert cats.extra_cache_layers == 2 and cats.max_tree_tokens == 17
     assert cats.adapter_bytes == 2 * block * 8 and cats.head_rows == 10  # the 10 lm_head rows of its vocabulary
-    # dytc drafts from lookup and recycling where layers stream (layer skipping only when all are resident anyway)
+    # dytc drafts from lookup and recycling where layers stream, and skips the streamed layers where calibrated
     dytc = memory_needs(config, dtype, "dytc")
     assert dytc.min_resident_layers == 1 and dytc.max_tree_tokens == 16 + 16 + 1  # a lookup chain on a recycling tree
-    assert memory_needs(config, dtype, "layer-skip").min_resident_layers == config.num_hidden_layers
+    assert dytc.skip_streamed and not memory_needs(config, dtype, "pld").skip_streamed
+    skip = memory_needs(config, dtype, "layer-skip", DraftConfig(num_draft_tokens=3))
+    assert (skip.min_resident_layers, skip.max_tree_tokens, skip.skip_streamed) == (1, 4, True)
 
 
 def test_on_gguf_blocks_an_adapter_is_priced_as_its_file_stores_its_matrices(tmp_path):

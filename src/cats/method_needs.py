@@ -12,6 +12,7 @@ from cats.config import DraftConfig
 from cats.draft.dytc.build import LOOKUP_TOKENS as DYTC_LOOKUP_TOKENS
 from cats.draft.dytc.build import RECYCLE_TOKENS as DYTC_RECYCLE_TOKENS
 from cats.draft.eagle import TOTAL_TOKENS as EAGLE_TOKENS
+from cats.draft.layer_skip.drafter import NUM_TOKENS as LAYER_SKIP_TOKENS
 from cats.draft.recycle import TOTAL_TOKENS as RECYCLE_TOKENS
 from cats.draft.sizing import BUCKETS, pass_tokens
 from cats.model.adapter import find_adapter, find_draft_adapter, read_adapter_config
@@ -147,15 +148,18 @@ def cats_needs(needs, config, held, d):
     tree_needs(needs, config, held, d, shallow=True)
 
 
-def all_layer_needs(needs, config, held, d):  # they draft through every layer: all of them must stay resident
+def layer_skip_needs(needs, config, held, d):  # under a budget it skips the streamed layers (`_layer_skip`)
     _adapter_needs(needs, config, held, d)
-    needs.min_resident_layers = config.num_hidden_layers
+    needs.min_resident_layers = 1  # as dytc's: layer 0 is the layer a draft can least do without
+    needs.skip_streamed = True
+    needs.max_tree_tokens = (d.num_draft_tokens or LAYER_SKIP_TOKENS) + 1
 
 
-def dytc_needs(needs, config, held, d):  # layer skipping only where every layer stays resident (`_dytc`)
+def dytc_needs(needs, config, held, d):  # under a budget, layer skipping skips exactly the streamed layers (`_dytc`)
     head = _eagle3_head_needs(needs, config, held, dytc_eagle3_folder(d.adapters))
     layers = [] if head else _adapter_needs(needs, config, held, d)
     needs.min_resident_layers = _draft_layers(layers, config, d) if layers else 1  # layer 0 times its cost model
+    needs.skip_streamed = True  # its layer-skip drafter skips what streams, where the model has a stream order
     if d.total_tokens is not None:
         needs.max_tree_tokens = d.total_tokens + 1
     elif d.adapters is None:  # lookup and recycling: their largest pass, a lookup chain grafted on a recycling tree

@@ -21,7 +21,9 @@ from cats.draft.dytc import make_dytc
 from cats.draft.eagle import FeatureDrafter
 from cats.draft.early_exit import EarlyExitDrafter, default_draft_layer
 from cats.draft.layer_skip.calibration import load_or_calibrate
+from cats.draft.layer_skip.drafter import NUM_TOKENS as LAYER_SKIP_TOKENS
 from cats.draft.layer_skip.drafter import LayerSkipDrafter
+from cats.draft.layer_skip.stream_order import streamed_skip
 from cats.draft.prompt_lookup import PromptLookupDrafter
 from cats.draft.recycle import DEPTH as RECYCLE_DEPTH
 from cats.draft.recycle import TOTAL_TOKENS as RECYCLE_TOKENS
@@ -44,13 +46,13 @@ from cats.model.weights.budget import (
 )
 from cats.method_needs import (
     HeldAs,
-    all_layer_needs,
     cats_needs,
     dytc_eagle3_folder,
     dytc_needs,
     eagle3_needs,
     eagle_needs,
     early_exit_needs,
+    layer_skip_needs,
     no_needs,
     pld_needs,
     recycle_needs,
@@ -80,7 +82,6 @@ class Method:
     needs: Callable[[MemoryNeeds, object, HeldAs, DraftConfig], None]  # fills what it needs under a budget
     settings: frozenset[str] = frozenset()  # the DraftConfig fields that apply
     threshold: float = 0.0  # the default confidence stop
-    all_layers: bool = False  # drafts through every target layer (refuses a model that streams layers)
     cascade: bool = False  # scored through the shallow verifier's cascade
 
 
@@ -109,7 +110,7 @@ def _feature_adapter(adapters: str | None, model: LayeredModel):
     return load_adapter(folder, model, role="draft", layer=model.num_layers)
 
 
-def make_layer_skip(model: LayeredModel, sparsity: float, num_tokens: int = 4, threshold: float = 0.0,
+def make_layer_skip(model: LayeredModel, sparsity: float, num_tokens: int = LAYER_SKIP_TOKENS, threshold: float = 0.0,
                     assist: Drafter | None = None, progress: bool = True) -> LayerSkipDrafter:
     """A layer-skip drafter with the model's cached (or newly calibrated) skip set at ``sparsity``."""
     result = load_or_calibrate(model, sparsity, progress=progress)
@@ -146,10 +147,24 @@ def _layer_skip(model, d: DraftConfig, threshold, progress):
     if d.adapters is not None:
         raise InvalidArgumentError("--adapters does not apply to layer-skip (it needs no training); use dytc to "
                                    "combine layer skipping with the draft adapter")
+    if model.weights is not None:  # layers stream: the draft skips exactly those (the model's stream order)
+        streamed = streamed_skip(model)
+        if streamed is None:
+            raise InvalidArgumentError(
+                "layer-skip under a memory budget skips the streamed layers, and which layers those should be is "
+                "the model's calibrated stream order: none is known for this model, so its deepest layers stream "
+                "and every draft token would read them again; run 'cats calibrate MODEL --stream-order' once "
+                "(without a budget), or give a budget that keeps every layer resident")
+        if d.sparsity is not None:
+            raise InvalidArgumentError("under a memory budget layer-skip skips the streamed layers; drop --sparsity "
+                                       "(the budget decides how many stream)")
+        skip, agreement = streamed
+        return LayerSkipDrafter(model, skip, num_tokens=d.num_draft_tokens or LAYER_SKIP_TOKENS,
+                                threshold=threshold, agreement=agreement)
     values = d.sparsities((LAYER_SKIP_SPARSITY,))
     if len(values) != 1:
         raise InvalidArgumentError(f"layer-skip takes one sparsity, got {', '.join(map(str, values))}")
-    return make_layer_skip(model, values[0], num_tokens=d.num_draft_tokens or 4, threshold=threshold,
+    return make_layer_skip(model, values[0], num_tokens=d.num_draft_tokens or LAYER_SKIP_TOKENS, threshold=threshold,
                            progress=progress)
 
 
@@ -158,19 +173,19 @@ def _dytc(model, d: DraftConfig, threshold, progress):
         raise InvalidArgumentError("--threshold does not apply to dytc: the scheduler chooses draft lengths itself")
     bucket = speculation_for(model)[0]  # the default shape, or under a budget the bucket chosen for its I/O cost
     feature = _feature_adapter(d.adapters, model)  # an eagle3/ or feature/ head in DIR is used instead of draft/
-    sparsities = d.sparsities(DYTC_SPARSITIES)
-    if model.weights is not None:  # layers stream: a layer-skip draft token would read them all again
+    sparsities, streamed = d.sparsities(DYTC_SPARSITIES), None
+    if model.weights is not None:  # layers stream: its layer-skip drafter skips exactly those, where calibrated
         if d.sparsity is not None:
-            raise InvalidArgumentError("dytc drafts without layer skipping while layers stream (every skip-draft token "
-                                       "would read the streamed layers again); drop --sparsity, or give a budget that "
-                                       "keeps every layer resident")
-        sparsities = ()
+            raise InvalidArgumentError("under a memory budget dytc's layer skipping skips the streamed layers (where "
+                                       "the model has a calibrated stream order) and no other sublayers; drop "
+                                       "--sparsity, or give a budget that keeps every layer resident")
+        sparsities, streamed = (), streamed_skip(model)
     return make_dytc(model, sparsities, feature_adapter=feature,
                      adapter=_draft_adapter(d.adapters, model) if feature is None else None,
                      max_ngram=d.max_ngram, num_tokens=d.num_draft_tokens,
                      tree_topk=bucket.tree_topk if d.tree_topk is None else d.tree_topk,
                      total_tokens=bucket.total_tokens if d.total_tokens is None else d.total_tokens,
-                     depth=bucket.depth if d.depth is None else d.depth, progress=progress)
+                     depth=bucket.depth if d.depth is None else d.depth, streamed_skip=streamed, progress=progress)
 
 
 def _dytc_free(model, d: DraftConfig, threshold, progress):
@@ -269,8 +284,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            cats_needs, _TREE | {"sv_threshold", "sv_passes"}, CONFIDENCE_STOP, cascade=True),
     Method("cats-no-shallow", "cats without the shallow-verifier cascade", _adapter_tree("cats-no-shallow"),
            tree_needs, _TREE, CONFIDENCE_STOP),
-    Method("layer-skip", "calibrated sublayers skipped", _layer_skip, all_layer_needs,
-           frozenset({"num_draft_tokens", "threshold", "sparsity"}), all_layers=True),
+    Method("layer-skip", "calibrated sublayers skipped (under a budget: the streamed layers)", _layer_skip,
+           layer_skip_needs, frozenset({"num_draft_tokens", "threshold", "sparsity"})),
     Method("dytc", "scheduler over prompt lookup, token recycling, layer skipping and, with --adapters, the draft "
            "adapter", _dytc, dytc_needs, frozenset({"num_draft_tokens", "max_ngram", "adapters", "tree_topk",
                                                       "total_tokens", "depth", "sparsity"})),
@@ -319,15 +334,11 @@ def make_drafter(name: str, model: LayeredModel, drafting: DraftConfig | None = 
 
     Left as None, the early-exit draft length and the tree shape are 4 and (4, 16, 5); when the model streams
     layers under a memory budget they come from the speculation bucket chosen for the budget's I/O cost
-    (`cats.draft.sizing`). layer-skip and dytc draft through every layer, so they refuse a model that streams
-    layers."""
+    (`cats.draft.sizing`). Under a budget, layer-skip and dytc's layer skipping skip the streamed layers, where the
+    model has a calibrated stream order (`cats.draft.layer_skip.stream_order`)."""
     entry, d = method(name), drafting or DraftConfig()
     d.validate()  # before any calibration or adapter load
     threshold = entry.threshold if d.threshold is None else d.threshold
-    if entry.all_layers and model.weights is not None:
-        raise InvalidArgumentError(f"{name} drafts through every layer, so under a memory budget every draft token "
-                                   "would read the streamed layers again; it needs a budget that keeps every layer "
-                                   "resident (or use tree, cats, early-exit or pld)")
     if d.sparsity is not None and "sparsity" not in entry.settings:
         raise InvalidArgumentError(f"--sparsity applies to layer-skip and dytc, not to {name!r}")
     return entry.make(model, d, threshold, progress)

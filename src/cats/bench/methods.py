@@ -209,7 +209,7 @@ class CatsMethod(BenchMethod):
         if model.large_pages is not None:
             info["weights"] += f", {model.large_pages.share:.0%} in 2 MiB pages"
         if model.memory_plan is not None:
-            info["streamed_layers"] = [model.memory_plan.resident_layers, model.num_layers]
+            info["streamed_layers"] = list(model.memory_plan.streamed)
         if self.drafter is not None and self.drafter.speculation is not None:
             info["speculation"] = self.drafter.speculation
         return info

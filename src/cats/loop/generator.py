@@ -216,7 +216,7 @@ def offload_counters(model: LayeredModel, before) -> dict:
     """The streamer's counters since ``before``, with what streamed and how."""
     weights = model.weights
     counters = weights.snapshot().minus(before).to_dict()
-    counters.update(streamed_layers=[weights.first, weights.num_layers], io=weights.io,
+    counters.update(streamed_layers=list(weights.streamed), io=weights.io,
                     store_page_cache_mb=round(page_cache_bytes(weights.store_files()) / 2**20, 2))
     return counters
 

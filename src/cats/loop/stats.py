@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from cats.draft.dytc.report import summary_text
+from cats.model.weights import layer_ranges
 
 
 @dataclass
@@ -88,8 +89,8 @@ class GenerationStats:
                + (f", {self.shallow['redraft_passes']} redraft passes" if self.shallow.get("redraft_passes") else "")
                if self.shallow else "")
             + (f"; scheduler: {_scheduler_text(self.scheduler)}" if self.scheduler else "")
-            + (f"; offload: layers [{self.offload['streamed_layers'][0]}, {self.offload['streamed_layers'][1]}) "
-               f"streamed ({self.offload['io']}), read {self.offload['bytes_read'] / 2**20:.0f} MiB in "
+            + (f"; offload: layers {layer_ranges(self.offload['streamed_layers'])} streamed ({self.offload['io']}), "
+               f"read {self.offload['bytes_read'] / 2**20:.0f} MiB in "
                f"{self.offload['read_s']:.2f} s"
                + (f" ({self.offload['decode_s']:.2f} s decoding blocks)" if self.offload.get("decode_s") else "")
                + f", stalled {self.offload['stall_s']:.2f} s, "

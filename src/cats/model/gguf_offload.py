@@ -18,11 +18,13 @@ import torch
 
 from cats.errors import InvalidArgumentError
 from cats.model.gguf_model import FileMapping, load_gguf_model
+from cats.model.identity import hf_model_fingerprint
 from cats.model.weights.budget import STORE_ALIGNMENT, MemoryNeeds, MemoryPlan
 from cats.model.weights.offload import check_io, default_needs, plan_for, set_parameters
 from cats.model.weights.parts import PartHeader, TensorEntry
 from cats.model.weights.rss import bound_heap
 from cats.model.weights.stream import LayerStreamer
+from cats.model.weights.stream_order import apply_stream_order
 
 
 def layer_span(layer: torch.nn.Module, mapping: FileMapping) -> PartHeader:
@@ -69,6 +71,8 @@ def stream_gguf_layers(hf_model, budget: str | int, needs: MemoryNeeds | None = 
     spans = [layer_span(layer, mapping) for layer in layers]
     sizes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
     needs = default_needs(hf_model.config, needs)
+    if needs.skip_streamed:  # what the method's skip draft skips streams, where calibrated
+        apply_stream_order(needs, hf_model_fingerprint(hf_model), len(layers))
     plan: MemoryPlan = plan_for(hf_model, budget, needs,
                                 stored_layers=[max(span.data_bytes, size) for span, size in zip(spans, sizes)])
     if plan.parts.embed_rows:  # planned for the rows read: fault in those rows only
@@ -81,6 +85,6 @@ def stream_gguf_layers(hf_model, budget: str | int, needs: MemoryNeeds | None = 
         set_parameters(layers[i], {name: torch.empty_like(parameters[name], device="meta")
                                    for name in layouts[i].entries})
         mapping.release(layouts[i].data_start, layouts[i].data_bytes)
-    streamer = LayerStreamer(hf_model.model.layers, plan.num_layers, layouts, plan.resident_layers, plan.pool_slots,
-                             plan.slot_bytes, io=io, read_buffers=plan.read_buffers)
+    streamer = LayerStreamer(hf_model.model.layers, plan.num_layers, layouts, plan.pool_slots, plan.slot_bytes,
+                             io=io, read_buffers=plan.read_buffers)
     return plan, streamer

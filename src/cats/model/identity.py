@@ -18,11 +18,16 @@ IDENTITY_FIELDS = (
 def model_fingerprint(model) -> str:
     """16 hex digits: SHA-256 over the identity fields of the config and the lm_head weights (as float32 bytes of
     a fixed strided sample of rows, so the value does not depend on the dtype the model was loaded in)."""
-    head = model.hf_model.lm_head
+    return hf_model_fingerprint(model.hf_model)
+
+
+def hf_model_fingerprint(hf_model) -> str:
+    """`model_fingerprint` of a ``*ForCausalLM`` module (its lm_head's sampled rows must be real)."""
+    head = hf_model.lm_head
     rows = fingerprint_rows(head.out_features)
     if hasattr(head, "dequantized"):  # a head on GGUF blocks: only the sampled rows, dequantised
-        return fingerprint_of(model.config, head.dequantized(rows))
-    return fingerprint_of(model.config, head.weight.detach()[rows])
+        return fingerprint_of(hf_model.config, head.dequantized(rows))
+    return fingerprint_of(hf_model.config, head.weight.detach()[rows])
 
 
 def fingerprint_rows(num_rows: int) -> slice:

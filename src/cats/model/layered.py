@@ -254,17 +254,17 @@ class LayeredModel:
                 and any(self._fused_layers[start:end])):
             hidden = hidden.clone(memory_format=torch.contiguous_format)  # it works in place: not on the caller's
             fused = {kind: fused_ready(hidden, masks[kind], rotary[kind], self._fused_head_dim) for kind in kinds}
-        # every layer on the whole-layer kernel: the resident ones between two captured states in one C call (under a
-        # budget the layers before the first streamed one; each streamed layer is acquired around a call of its own)
+        # every layer on the whole-layer kernel: each run of resident layers between two captured states in one C
+        # call (under a budget each streamed layer is acquired around a call of its own)
         together = bool(fused) and all(fused.values()) and all(self._fused_layers[start:end])
-        resident = end if weights is None else max(start, min(end, weights.first))
-        stops = sorted({end, resident} | ({count for count in capture if start < count < end}
-                                          if capture is not None else set()))
+        streamed = set() if weights is None else {i for i in range(start, end) if weights.is_streamed(i)}
+        stops = sorted({end} | {i for layer in streamed for i in (layer, layer + 1) if start < i < end}
+                       | ({count for count in capture if start < count < end} if capture is not None else set()))
         first = start
         for stop in stops:
             if stop == first:
                 continue
-            if not (together and stop <= resident and fused_layers_forward(
+            if not (together and first not in streamed and fused_layers_forward(
                     list(self.layers)[first:stop], hidden, [masks[kind] for kind in self.layer_types[first:stop]],
                     [rotary[kind] for kind in self.layer_types[first:stop]], cache.hf_cache)):
                 hidden = self._layer_by_layer(first, stop, hidden, masks, rotary, fused, device_positions, cache)

@@ -396,6 +396,6 @@ def make_cascade(model: LayeredModel, drafter, adapters: str | None, sv_threshol
     # under a memory budget that streams some of [0, L_sv), a correction branch would read them a second time per
     # pass (out of access order): the cascade then only prunes (still lossless: corrections only add candidates)
     plan = model.memory_plan
-    corrections = not (model.weights is not None and plan.resident_layers < shallow.config.layer)
+    corrections = not (model.weights is not None and plan.resident_prefix < shallow.config.layer)
     return CascadeScorer(model, shallow, drafter=drafter, sv_threshold=sv_threshold, corrections=corrections,
                          sv_passes=sv_passes)

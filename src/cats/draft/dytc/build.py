@@ -37,7 +37,8 @@ def draft_cost(model, layer_fraction: float) -> float:
 
 def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max_ngram: int = 3,
               num_tokens: int | None = None, lookahead_tokens: int = 4, tree_topk: int = 4, total_tokens: int = 16,
-              depth: int = 5, feature_adapter=None, recycle: bool = True, progress: bool = True) -> DyTCDrafter:
+              depth: int = 5, feature_adapter=None, recycle: bool = True, streamed_skip=None,
+              progress: bool = True) -> DyTCDrafter:
     """The training-free hierarchy of CAS-Spec plus, optionally, a trained draft adapter:
 
     * prompt lookup (up to `LOOKUP_TOKENS` tokens, the scheduler picks how many to verify), also the bottom
@@ -49,6 +50,9 @@ def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max
     * for each sparsity s, a layer-skip drafter ``ls<s><pld`` whose own tokens prompt lookup proposes (vertical
       cascade); with two or more sparsities also ``ls<lowest><ls<highest><pld``, the densest drafter assisted by
       the sparsest;
+    * with ``streamed_skip`` (under a memory budget: the skip set of the streamed layers and its calibrated agreement,
+      `cats.draft.layer_skip.stream_order.streamed_skip`), a layer-skip drafter over the resident layers alone, whose
+      own tokens prompt lookup proposes: its draft tokens read nothing from disk;
     * with ``adapter``, the early exit through it: chains (``draft-adapter``) and dynamic trees of
       ``total_tokens`` nodes (``draft-tree``, shaped by ``tree_topk`` and ``depth`` as in method ``tree``);
     * or, with ``feature_adapter``, feature drafting (method ``eagle``): chains (``eagle-chain``) and trees
@@ -70,6 +74,12 @@ def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max
                                    agreement=result.agreement)
         options.append(DraftOption(drafter.label, drafter, limit, result.agreement,
                                    draft_cost(model, 1.0 - result.sparsity)))
+    if streamed_skip is not None:
+        skip, agreement = streamed_skip
+        sparsity = skip.sparsity(model.num_layers)
+        drafter = LayerSkipDrafter(model, skip, num_tokens=limit, assist=bottom, sparsity=sparsity,
+                                   agreement=agreement)
+        options.append(DraftOption(drafter.label, drafter, limit, agreement, draft_cost(model, 1.0 - sparsity)))
     if len(calibrated) >= 2:
         dense, sparse = calibrated[0], calibrated[-1]
         helper = LayerSkipDrafter(model, sparse.skip, num_tokens=limit, assist=bottom, sparsity=sparse.sparsity,

@@ -43,6 +43,7 @@ from cats.errors import InvalidArgumentError, UnsupportedArchitectureError
 from cats.model import KVCache, LayeredModel
 
 ATTENTION, MLP = "attention", "mlp"
+NUM_TOKENS = 4  # the default draft length
 
 
 @dataclass(frozen=True)
@@ -118,19 +119,26 @@ def split_layer(layer: torch.nn.Module) -> tuple[Callable, Callable]:
 class SkipModel:
     """The target with the sublayers of ``skip`` left out, over the shared KV cache.
 
-    Only the layers whose attention runs (``attention_layers``) read and append cache slots."""
+    Only the layers whose attention runs (``attention_layers``) read and append cache slots. Each run of consecutive
+    layers that run whole goes through `LayeredModel.forward_layers` (the whole-layer kernel, one C call per run where
+    it runs); a layer with one sublayer skipped runs its other one alone."""
 
     def __init__(self, model: LayeredModel, skip: SkipSet):
         skip.validate(model.num_layers)
         self.model, self.skip = model, skip
         skipped_attention, skipped_mlp = set(skip.attention), set(skip.mlp)
         self.attention_layers = [i for i in range(model.num_layers) if i not in skipped_attention]
-        self._plan = []  # per layer: None = the whole module, else (run attention?, run mlp?, parts)
+        self._plan = []  # in layer order: ("whole", start, end) for layers [start, end) run whole, or ("split", i,
+        # run attention?, run mlp?, parts) for a layer with a sublayer skipped (none: both skipped)
         for i, layer in enumerate(model.layers):
-            if i in skipped_attention or i in skipped_mlp:
-                self._plan.append((i not in skipped_attention, i not in skipped_mlp, split_layer(layer)))
-            else:
-                self._plan.append(None)
+            if i not in skipped_attention and i not in skipped_mlp:
+                if self._plan and self._plan[-1][0] == "whole" and self._plan[-1][2] == i:
+                    self._plan[-1] = ("whole", self._plan[-1][1], i + 1)
+                else:
+                    self._plan.append(("whole", i, i + 1))
+            elif i not in skipped_attention or i not in skipped_mlp:
+                self._plan.append(("split", i, i not in skipped_attention, i not in skipped_mlp, split_layer(layer)))
+        self._split_attention = [step[1] for step in self._plan if step[0] == "split" and step[2]]
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, position_ids: torch.Tensor,
                 attend: torch.Tensor | None = None) -> torch.Tensor:
@@ -145,24 +153,22 @@ class SkipModel:
         if len(lengths) > 1:
             raise RuntimeError(f"layer-skip attention layers hold different cache lengths {sorted(lengths)}")
         past_positions = cache.positions(layers[0]) if layers else torch.empty(0, dtype=torch.long)
-        kinds = {model.layer_types[i] for i in layers}
+        kinds = {model.layer_types[i] for i in self._split_attention}
         masks = {kind: model.attention_mask(past_positions, position_ids, attend, kind) for kind in kinds}
         device_positions = position_ids.to(model.device).unsqueeze(0)
         rotary = {kind: model.rotary(hidden, device_positions, kind) for kind in kinds}
-        for i, plan in enumerate(self._plan):
-            kind = model.layer_types[i]
-            kwargs = dict(attention_mask=masks.get(kind), position_embeddings=rotary.get(kind),
-                          position_ids=device_positions, cache=cache.hf_cache, use_cache=True)
-            if plan is None:
-                hidden = model.run_layer(i, hidden, kwargs["attention_mask"], kwargs["position_embeddings"],
-                                         device_positions, cache.hf_cache)
+        for step in self._plan:
+            if step[0] == "whole":  # appends and records its layers' slots
+                hidden = model.forward_layers(hidden, step[1], step[2], cache, position_ids, attend)
                 continue
-            run_attention, run_mlp, (attention, mlp) = plan
+            _, i, run_attention, run_mlp, (attention, mlp) = step
             if run_attention:
-                hidden = attention(hidden, **kwargs)
+                kind = model.layer_types[i]
+                hidden = attention(hidden, attention_mask=masks[kind], position_embeddings=rotary[kind],
+                                   position_ids=device_positions, cache=cache.hf_cache, use_cache=True)
             if run_mlp:
                 hidden = mlp(hidden)
-        for i in layers:
+        for i in self._split_attention:
             cache.record(i, i + 1, position_ids)
         return hidden
 
@@ -184,7 +190,7 @@ class LayerSkipDrafter(Drafter):
 
     name = "layer-skip"
 
-    def __init__(self, model: LayeredModel, skip: SkipSet, num_tokens: int = 4, assist: Drafter | None = None,
+    def __init__(self, model: LayeredModel, skip: SkipSet, num_tokens: int = NUM_TOKENS, assist: Drafter | None = None,
                  threshold: float = 0.0, sparsity: float | None = None, agreement: float | None = None):
         if num_tokens < 1:
             raise InvalidArgumentError(f"layer skipping needs num_tokens >= 1, got {num_tokens}")

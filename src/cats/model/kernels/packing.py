@@ -295,8 +295,8 @@ def pack_linears(model, head: bool = True) -> dict:
     reason = pack_available(model.dtype)
     if reason is not None:
         return {"packed": 0, "reason": reason}
-    resident = model.num_layers if model.weights is None else model.weights.first
-    count = sum(pack_module(layer) for layer in model.layers[:resident])
+    count = sum(pack_module(layer) for i, layer in enumerate(model.layers)
+                if model.weights is None or not model.weights.is_streamed(i))
     if head and type(model.hf_model.lm_head) is nn.Linear:
         count += pack_module(model.hf_model.lm_head)
     model.packed = count > 0

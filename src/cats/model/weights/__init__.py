@@ -7,6 +7,7 @@ from cats.model.weights.budget import (
                                        MemoryNeeds,
                                        MemoryPlan,
                                        PartSizes,
+                                       layer_ranges,
                                        parse_budget,
                                        plan_memory,
 )
@@ -17,5 +18,5 @@ from cats.model.weights.stream import LayerStreamer, StreamCounters
 
 __all__ = [
     "BudgetTooSmallError", "LayerStore", "LayerStreamer", "MemoryNeeds", "MemoryPlan", "PartSizes", "StoreError",
-    "StreamCounters", "load_under_budget", "offload_model", "parse_budget", "plan_for", "plan_memory",
+    "StreamCounters", "layer_ranges", "load_under_budget", "offload_model", "parse_budget", "plan_for", "plan_memory",
 ]

@@ -8,10 +8,12 @@ What the planner keeps resident, in this order of priority:
 3. the KV cache for ``context_tokens`` tokens, and the activations of the largest tree verified in one pass;
 4. the decoder layers every draft step runs, ``[0, L_sv)`` (``min_resident_layers``);
 5. if anything streams: a pool of ``prefetch + 1`` layer buffers (the layer computing and ``prefetch`` read ahead);
-6. as many further layers as still fit, from the bottom up: ``[0, R)`` resident, ``[R, L)`` streamed.
+6. as many further layers as still fit: R of them resident, the other ``L - R`` streamed.
 
-Streamed layers are always the deepest ones, so every forward pass reads them in one ascending sweep, once per
-verification pass, however many tokens the pass verifies. Every byte count comes from the model's real parameter
+The streamed layers are the deepest ones, ``[R, L)``, unless the method drafts by skipping the streamed layers and
+the model has a calibrated stream order (``MemoryNeeds.stream_order``, `cats.model.weights.stream_order`): then they
+are the first ``L - R`` layers of that order, the layers its draft skips best. Either way every forward pass reads
+them in one ascending sweep, once per verification pass, however many tokens the pass verifies. Every byte count comes from the model's real parameter
 sizes (`PartSizes.of`); KV cache and activations are estimates from the config (see `kv_cache_bytes` and
 `activation_bytes`). A budget below the minimum is refused with a message that names the minimum.
 """
@@ -181,6 +183,9 @@ class MemoryNeeds:
     # measured when the budget is the whole process's (`cats.config.MemoryConfig.process`); 0: the budget is the model's
     library_pages_bytes: int = 0  # with runtime_bytes: page cache kept for the libraries' pages every step reads
     # (code, tables), which the kernel charges to the process (`LIBRARY_PAGES`)
+    skip_streamed: bool = False  # the method drafts by skipping the streamed layers: stream them in the model's
+    # calibrated stream order where one is known (`cats.model.weights.stream_order`)
+    stream_order: tuple[int, ...] = ()  # layers in the order they stream (the first n when n must); () = deepest first
 
     def validate(self, num_layers: int) -> None:
         if self.context_tokens < 1:
@@ -193,6 +198,11 @@ class MemoryNeeds:
             raise InvalidArgumentError(f"max_tree_tokens must be at least 1, got {self.max_tree_tokens}")
         if self.prompt_tokens is not None and not 1 <= self.prompt_tokens <= self.context_tokens:
             raise InvalidArgumentError(f"prompt_tokens must lie in [1, context_tokens], got {self.prompt_tokens}")
+        if len(set(self.stream_order)) != len(self.stream_order) or not all(
+                self.min_resident_layers <= i < num_layers for i in self.stream_order):
+            raise InvalidArgumentError(f"stream_order must list distinct layers of [{self.min_resident_layers}, "
+                                       f"{num_layers}) (the layers below min_resident_layers stay), got "
+                                       f"{self.stream_order}")
 
 
 def _head_dim(config) -> int:
@@ -229,7 +239,7 @@ class MemoryPlan:
     needs: MemoryNeeds
     kv_bytes: int
     activation_bytes: int
-    resident_layers: int  # R: layers [0, R) resident, [R, L) streamed
+    resident_layers: int  # R: how many layers stay resident; the rest stream (`streamed`)
     pool_slots: int  # stream buffers (0 when nothing streams)
     slot_bytes: int  # bytes of one stream buffer (the largest streamed layer, aligned)
     minimum: int  # the smallest budget that holds the resident minimum with this many stream buffers
@@ -240,12 +250,24 @@ class MemoryPlan:
         return len(self.parts.layers)
 
     @property
-    def streamed(self) -> range:
-        return range(self.resident_layers, self.num_layers)
+    def streamed(self) -> tuple[int, ...]:
+        """The streamed layers, ascending: the deepest ``L - R``, or the first ``L - R`` of ``needs.stream_order``
+        (the deepest of the others after them, where it lists fewer)."""
+        return streamed_layers(self.num_layers, self.resident_layers, self.needs.stream_order)
+
+    @property
+    def resident(self) -> tuple[int, ...]:
+        streamed = set(self.streamed)
+        return tuple(i for i in range(self.num_layers) if i not in streamed)
+
+    @property
+    def resident_prefix(self) -> int:
+        """P: layers ``[0, P)`` are all resident (what runs every draft step of an early exit must be)."""
+        return min(self.streamed, default=self.num_layers)
 
     @property
     def resident_layer_bytes(self) -> int:
-        return sum(self.parts.layers[: self.resident_layers])
+        return sum(self.parts.layers[i] for i in self.resident)
 
     @property
     def read_buffer_bytes(self) -> int:
@@ -287,7 +309,8 @@ class MemoryPlan:
     def with_resident(self, resident: int) -> "MemoryPlan":
         """The same needs with layers ``[0, resident)`` resident (the budget is not checked): its
         ``planned_bytes`` is the budget that plan needs."""
-        streamed = [max(self.parts.layers[i], self.parts.stored(i)) for i in range(resident, self.num_layers)]
+        streamed = [max(self.parts.layers[i], self.parts.stored(i))
+                    for i in streamed_layers(self.num_layers, resident, self.needs.stream_order)]
         slots = min(self.needs.prefetch + 1, len(streamed))
         slot_bytes = round_up(max(streamed)) if streamed else 0
         return MemoryPlan(self.budget, self.parts, self.needs, self.kv_bytes, self.activation_bytes, resident, slots,
@@ -306,7 +329,7 @@ class MemoryPlan:
         rows += [("final norm", parts.norm), ("adapters", self.adapter_bytes),
                  (f"KV cache ({self.needs.context_tokens} + {self.needs.max_tree_tokens} tokens)", self.kv_bytes),
                  (f"activations ({self.needs.max_tree_tokens}-token pass)", self.activation_bytes),
-                 (f"resident layers [0, {self.resident_layers})", self.resident_layer_bytes)]
+                 (f"resident layers {layer_ranges(self.resident)}", self.resident_layer_bytes)]
         if self.pool_slots:
             rows.append((f"stream buffers ({self.pool_slots} x {mib(self.slot_bytes)})",
                          self.pool_slots * self.slot_bytes))
@@ -322,16 +345,20 @@ class MemoryPlan:
         lines += [f"  {name:<40} {mib(size):>12}" for name, size in self.rows()]
         lines.append(f"  {'total planned':<40} {mib(self.planned_bytes):>12}")
         if self.streamed:
-            lines.append(f"  streamed layers [{self.streamed.start}, {self.streamed.stop}) "
+            lines.append(f"  streamed layers {layer_ranges(self.streamed)} "
                          f"({len(self.streamed)} of {self.num_layers}): {mib(self.bytes_per_pass)} read per "
                          f"verification pass, {self.needs.prefetch} layer(s) read ahead")
+            if self.needs.stream_order:
+                lines.append("  the streamed layers are those the model's layer-skip draft skips "
+                             "(its calibrated stream order): it drafts from the resident layers alone")
             if self.coded_layers:
                 lines.append(f"  {self.coded_layers} streamed layer(s) stored as the GGUF file's quantised blocks, "
                              "decoded as they are read (the same weights, bit for bit)")
         else:
             lines.append("  every layer is resident: nothing streams")
-        if self.needs.shallow_layers > self.resident_layers:
-            lines.append(f"  the shallow verifier's layers [{self.resident_layers}, {self.needs.shallow_layers}) stream "
+        if self.needs.shallow_layers > self.resident_prefix:
+            lines.append(f"  the shallow verifier's layers [{self.resident_prefix}, {self.needs.shallow_layers}) "
+                         "stream "
                          f"too (keeping [0, {self.needs.shallow_layers}) needs a larger budget); the cascade then "
                          "adds no correction branches, which would read them twice per pass")
         return "\n".join(lines)
@@ -341,10 +368,30 @@ class MemoryPlan:
             "budget_mb": round(self.budget / MIB, 2), "minimum_mb": round(self.minimum / MIB, 2),
             "weights_mb": round(self.parts.weights / MIB, 2), "planned_mb": round(self.planned_bytes / MIB, 2),
             "parts_mb": {name: round(size / MIB, 2) for name, size in self.rows()},
-            "resident_layers": self.resident_layers, "streamed_layers": [self.streamed.start, self.streamed.stop],
+            "resident_layers": self.resident_layers, "streamed_layers": list(self.streamed),
             "pool_slots": self.pool_slots, "bytes_per_pass": self.bytes_per_pass, "coded_layers": self.coded_layers,
             "needs": asdict(self.needs),
         }
+
+
+def streamed_layers(num_layers: int, resident: int, order: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """The ``num_layers - resident`` layers that stream: the first of ``order``, then the deepest others."""
+    count = num_layers - resident
+    chosen = list(order[:count])
+    taken = set(chosen)
+    chosen += [i for i in range(num_layers - 1, -1, -1) if i not in taken][: count - len(chosen)]
+    return tuple(sorted(chosen))
+
+
+def layer_ranges(layers) -> str:
+    """``[2, 5) [7, 8)`` for layers 2, 3, 4, 7 (``none`` for none)."""
+    runs: list[list[int]] = []
+    for i in sorted(layers):
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return " ".join(f"[{a}, {b})" for a, b in runs) or "none"
 
 
 def plan_memory(budget: int, parts: PartSizes, needs: MemoryNeeds, kv_bytes: int, activation: int) -> MemoryPlan:

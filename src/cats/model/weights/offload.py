@@ -46,6 +46,7 @@ from cats.model.weights.store import (
     write_from_model,
 )
 from cats.model.weights.stream import IO_MODES, LayerStreamer, store_layouts
+from cats.model.weights.stream_order import apply_stream_order
 
 
 def plan_for(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: list[int] | None = None) -> MemoryPlan:
@@ -109,7 +110,7 @@ def _plan_pass(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: l
             raise
         needs.max_tree_tokens = bare
         plan = _plan(hf_model, budget, needs, stored_layers)  # (too small for this too: its smaller minimum is named)
-        if plan.resident_layers >= needs.shallow_layers:  # the shallow layers resident: corrections, which do not fit
+        if plan.resident_prefix >= needs.shallow_layers:  # the shallow layers resident: corrections, which do not fit
             raise corrected
         return bare, plan
 
@@ -156,9 +157,9 @@ def set_parameters(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) ->
 def _start_streaming(hf_model, store: LayerStore, plan: MemoryPlan, io: str) -> LayerStreamer | None:
     if not plan.streamed:
         return None
-    layouts = store_layouts(store, plan.resident_layers, plan.num_layers)
-    return LayerStreamer(hf_model.model.layers, plan.num_layers, layouts, plan.resident_layers, plan.pool_slots,
-                         plan.slot_bytes, io=io, read_buffers=plan.read_buffers, store=store)
+    layouts = store_layouts(store, plan.streamed)
+    return LayerStreamer(hf_model.model.layers, plan.num_layers, layouts, plan.pool_slots, plan.slot_bytes, io=io,
+                         read_buffers=plan.read_buffers, store=store)
 
 
 def build_skeleton(config, dtype: torch.dtype, attn_implementation: str = "sdpa"):
@@ -184,6 +185,8 @@ def load_under_budget(folder: str | Path, config, dtype: torch.dtype, budget: st
     hf_model = build_skeleton(config, dtype, attn_implementation)
     _load_generation_config(hf_model, folder)
     needs = default_needs(config, needs)
+    if needs.skip_streamed:  # what the method's skip draft skips streams, where calibrated
+        apply_stream_order(needs, checkpoint_fingerprint(folder, hf_model, dtype), config.num_hidden_layers)
     blocks = GGUFBlocks.of_checkpoint(folder, dtype)
     plan = plan_for(hf_model, budget, needs, stored_layers=_stored_estimate(hf_model, blocks))
     store = checkpoint_store(folder, hf_model, dtype, layer_store, blocks)
@@ -192,7 +195,7 @@ def load_under_budget(folder: str | Path, config, dtype: torch.dtype, budget: st
         plan = plan_for(hf_model, budget, needs, stored_layers=stored)  # checkpoint's bits is plain: plan again
     modules = part_modules(hf_model)
     resident = ["embed", "norm", *(["lm_head"] if "lm_head" in modules else []),
-                *(f"layer-{i:03d}" for i in range(plan.resident_layers))]
+                *(f"layer-{i:03d}" for i in plan.resident)]
     for part in resident:
         set_parameters(modules[part][1], store.read(part))
     if "lm_head" not in modules:
@@ -209,15 +212,21 @@ def checkpoint_store(folder: str | Path, hf_model, dtype: torch.dtype, layer_sto
     a store with blocks and one without never share a folder)."""
     config = hf_model.config
     checkpoint = Checkpoint(Path(folder))
-    rows = checkpoint.read("lm_head.weight", tied_aliases(hf_model), fingerprint_rows(config.vocab_size)).to(dtype)
     parts = {part: sum(p.numel() * p.element_size() for p in module.parameters())
              for part, (_, module) in part_modules(hf_model).items()}
     source = checkpoint.source()
     if blocks is not None:
         source["blocks"] = blocks.record()
         source["digest"] = hashlib.sha256(json.dumps([source["digest"], source["blocks"]]).encode()).hexdigest()
-    return ensure_store(layer_store, fingerprint_of(config, rows), dtype, config, source, parts,
+    return ensure_store(layer_store, checkpoint_fingerprint(folder, hf_model, dtype), dtype, config, source, parts,
                         write_from_checkpoint(checkpoint, hf_model, dtype, blocks))
+
+
+def checkpoint_fingerprint(folder: str | Path, hf_model, dtype: torch.dtype) -> str:
+    """The model fingerprint of the checkpoint in ``folder``, from its own lm_head rows (``hf_model``: its skeleton)."""
+    rows = Checkpoint(Path(folder)).read("lm_head.weight", tied_aliases(hf_model),
+                                         fingerprint_rows(hf_model.config.vocab_size))
+    return fingerprint_of(hf_model.config, rows.to(dtype))
 
 
 def _stored_estimate(hf_model, blocks: GGUFBlocks | None) -> list[int] | None:
@@ -250,6 +259,8 @@ def offload_model(model, budget: str | int, needs: MemoryNeeds | None = None, io
         raise InvalidArgumentError("this model already runs under a memory budget; load it again to change the budget")
     hf_model = model.hf_model
     needs = default_needs(model.config, needs)
+    if needs.skip_streamed:  # what the method's skip draft skips streams, where calibrated
+        apply_stream_order(needs, model_fingerprint(model), model.num_layers)
     plan = plan_for(hf_model, budget, needs)
     modules = part_modules(hf_model)
     parts = {part: sum(p.numel() * p.element_size() for p in module.parameters()) for part, (_, module) in modules.items()}
@@ -266,9 +277,9 @@ def check_resident(model, layers: int, what: str) -> None:
     """Refuse to run ``what`` (which runs layers ``[0, layers)`` every draft step) when the plan streams some of
     them: every draft step would then read them again."""
     plan = model.memory_plan
-    if plan is not None and layers > plan.resident_layers:
+    if plan is not None and layers > plan.resident_prefix:
         raise InvalidArgumentError(
             f"{what} runs layers [0, {layers}) every draft step, but the memory plan keeps only [0, "
-            f"{plan.resident_layers}) resident; load the model with the method's needs (cats.methods.memory_needs) "
+            f"{plan.resident_prefix}) resident; load the model with the method's needs (cats.methods.memory_needs) "
             "or a larger budget")
 

@@ -1,10 +1,11 @@
 """Streaming the deep layers from the layer store while earlier layers compute.
 
-A background thread reads streamed layers, in the order forward passes use them (``R, R+1, .., L-1``, then ``R``
-again for the next pass), into a fixed pool of page-aligned buffers allocated once. The decode loop calls
-``acquire(i)`` just before layer ``i`` runs: the layer's parameters become views of the buffer holding it (waiting
-for the read if it is not done: that wait is the *stall*); ``release(i)`` after it ran puts the meta placeholders
-back and frees the buffer, and the reader refills it with the next layer in order. Between uses a streamed layer's
+A background thread reads streamed layers, in the order forward passes use them (ascending: ``R, R+1, .., L-1``
+for the deepest layers, or the layers of a calibrated stream order; then the first again for the next pass), into a
+fixed pool of page-aligned buffers allocated once. The decode loop calls ``acquire(i)`` just before layer ``i``
+runs: the layer's parameters become views of the buffer holding it (waiting for the read if it is not done: that wait
+is the *stall*); ``release(i)`` after it ran puts the meta placeholders back and frees the buffer, and the reader
+refills it with the next layer in order. Between uses a streamed layer's
 parameters are on the meta device: nothing of it stays allocated.
 
 Reads and the page cache (memory counted is memory used):
@@ -89,28 +90,28 @@ class _Slot:
         self.parameters: dict[tuple, list[torch.nn.Parameter]] = {}  # layout -> parameter views of this buffer
 
 
-def store_layouts(store: LayerStore, first: int, num_layers: int) -> dict:
-    """Where layers ``[first, num_layers)`` lie in ``store``'s files, for `LayerStreamer`."""
-    return {i: store.layout(part_name(i)) for i in range(first, num_layers)}
+def store_layouts(store: LayerStore, layers) -> dict:
+    """Where ``layers`` lie in ``store``'s files, for `LayerStreamer`."""
+    return {i: store.layout(part_name(i)) for i in layers}
 
 
 class LayerStreamer:
-    """Streams decoder layers ``[first, num_layers)`` (modules in ``layers``, their parameters on the meta device
+    """Streams the decoder layers that ``layouts`` names (modules in ``layers``, their parameters on the meta device
     between uses) through ``slots`` buffers of ``slot_bytes``, from the files ``layouts`` name: per layer a
     `PartHeader` (its tensors as they lie in a file, read as they are: a layer store's part, or a GGUF file's layer)
     or a `DecodedPart` (a store's part holding quantised blocks that are decoded as read). A parameter of a layer that
     its layout does not name is resident and stays. ``LayeredModel.forward_layers`` calls ``acquire``/``release``
     around each layer; for resident layers they return at once."""
 
-    def __init__(self, layers, num_layers: int, layouts: dict, first: int, slots: int, slot_bytes: int,
+    def __init__(self, layers, num_layers: int, layouts: dict, slots: int, slot_bytes: int,
                  io: str = "direct", read_buffers: int = 2, store: LayerStore | None = None):
         if io not in IO_MODES:
             raise InvalidArgumentError(f"offload I/O mode must be one of {', '.join(IO_MODES)}, got {io!r}")
-        if not 0 <= first < num_layers or slots < 1:
-            raise ValueError(f"nothing to stream: first={first}, layers={num_layers}, slots={slots}")
-        if set(layouts) != set(range(first, num_layers)):
-            raise ValueError(f"layouts for layers {sorted(layouts)}, streaming [{first}, {num_layers})")
-        self.first, self.num_layers, self.io = first, num_layers, io
+        if not layouts or slots < 1 or not all(0 <= i < num_layers for i in layouts):
+            raise ValueError(f"nothing to stream: layers {sorted(layouts)} of {num_layers}, slots={slots}")
+        self.streamed = tuple(sorted(layouts))  # in access order
+        self.first, self.num_layers, self.io = self.streamed[0], num_layers, io
+        self._streamed = set(self.streamed)
         self.store = store  # the layer store the layouts come from (None: a GGUF file's own layers)
         self.layouts = dict(layouts)  # the tensors as computed on
         self.headers = {i: layout.file if isinstance(layout, DecodedPart) else layout  # the files
@@ -126,7 +127,7 @@ class LayerStreamer:
         # per streamed layer: (module, attribute) for each parameter name, and the meta placeholders
         self.bindings: dict[int, list[tuple[torch.nn.Module, str, str]]] = {}
         self.placeholders: dict[int, list[torch.nn.Parameter]] = {}
-        for i in range(first, num_layers):
+        for i in self.streamed:
             layer = layers[i]
             binding = []
             entries = self.layouts[i].entries
@@ -143,8 +144,8 @@ class LayerStreamer:
             self.placeholders[i] = [getattr(module, attribute) for module, attribute, _ in binding]
         self.counters = StreamCounters()
         self.error: BaseException | None = None
-        self.expected = first  # the layer the next acquire should ask for
-        self.next_to_read = first
+        self.expected = self.first  # the layer the next acquire should ask for
+        self.next_to_read = self.first
         self.generation = 0  # bumped when the access order restarts: reads in flight for the old order are dropped
         self.closed = False
         self.condition = threading.Condition()
@@ -153,11 +154,11 @@ class LayerStreamer:
 
     # ------------------------------------------------------------------------------------------ the compute side
     def is_streamed(self, layer: int) -> bool:
-        return layer >= self.first
+        return layer in self._streamed
 
     def acquire(self, layer: int) -> None:
         """Make layer ``layer``'s parameters real (views of the buffer holding it), waiting for its read if needed."""
-        if layer < self.first:
+        if layer not in self._streamed:
             return
         self._start()
         with self.condition:
@@ -185,7 +186,7 @@ class LayerStreamer:
 
     def release(self, layer: int) -> None:
         """Put the meta placeholders back and hand the buffer to the reader."""
-        if layer < self.first:
+        if layer not in self._streamed:
             return
         for (module, attribute, _), placeholder in zip(self.bindings[layer], self.placeholders[layer]):
             module._parameters[attribute] = placeholder
@@ -260,7 +261,8 @@ class LayerStreamer:
 
     def _after(self, layer: int) -> int:
         """The streamed layer after ``layer`` in access order (the last one wraps around to the first)."""
-        return layer + 1 if layer + 1 < self.num_layers else self.first
+        position = self.streamed.index(layer) + 1
+        return self.streamed[position] if position < len(self.streamed) else self.first
 
     def _blocks_of(self, layer: int) -> _Slot:
         """The read buffer holding ``layer``'s blocks: the read started while the layer before decoded (waited
