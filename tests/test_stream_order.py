@@ -5,6 +5,7 @@ lossless, and no draft token reads a streamed layer."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,16 +164,20 @@ def test_an_order_naming_a_layer_the_method_keeps_resident_is_not_used():
 
 
 @needs(STORIES_HF)
-def test_calibrate_command_stream_order(capsys):
+def test_calibrate_command_stream_order(capsys, monkeypatch):
     from cats.cli import main
 
+    monkeypatch.delenv("CATS_CACHE")  # the default cache: its compiled kernels (a private one compiles them, ~35 s)
     argv = ["calibrate", "--model", str(STORIES_HF), "--stream-order", "--length", "2", "--width", "2",
             "--num-prompts", "2", "--tokens", "8", "--no-progress"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "stream order of 2 of 5 layers" in out and " 2 streamed: layers [" in out and "skip-draft agreement" in out
-    path = out.strip().splitlines()[-1].removeprefix("cached in ")
-    assert len(json.loads(open(path).read())["order"]["layers"]) == 2
+    path = Path(out.strip().splitlines()[-1].removeprefix("cached in "))
+    try:
+        assert len(json.loads(path.read_text())["order"]["layers"]) == 2
+    finally:
+        path.unlink()  # nothing of the test's left in the user's cache
     assert main(argv + ["--sparsity", "0.4"]) == 2
     assert "apply to skip sets, not to --stream-order" in capsys.readouterr().err
     assert main(["calibrate", "--model", str(STORIES_HF), "--length", "2"]) == 2
