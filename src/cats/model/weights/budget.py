@@ -307,8 +307,8 @@ class MemoryPlan:
         return self.needs.adapter_bytes + self.needs.head_rows * (self.parts.head_row_bytes + 8)
 
     def with_resident(self, resident: int) -> "MemoryPlan":
-        """The same needs with layers ``[0, resident)`` resident (the budget is not checked): its
-        ``planned_bytes`` is the budget that plan needs."""
+        """The same needs with ``resident`` layers resident (the others stream: `streamed`; the budget is not
+        checked): its ``planned_bytes`` is the budget that plan needs."""
         streamed = [max(self.parts.layers[i], self.parts.stored(i))
                     for i in streamed_layers(self.num_layers, resident, self.needs.stream_order)]
         slots = min(self.needs.prefetch + 1, len(streamed))
@@ -395,8 +395,8 @@ def layer_ranges(layers) -> str:
 
 
 def plan_memory(budget: int, parts: PartSizes, needs: MemoryNeeds, kv_bytes: int, activation: int) -> MemoryPlan:
-    """Keep as many layers resident (bottom up) as the budget allows; stream the rest through ``prefetch + 1``
-    buffers. Raises `BudgetTooSmallError` naming the minimum when even ``[0, min_resident_layers)`` does not fit.
+    """Keep as many layers resident as the budget allows (bottom up, or the last of ``needs.stream_order`` first);
+    stream the rest through ``prefetch + 1`` buffers. Raises `BudgetTooSmallError` naming the minimum when even ``[0, min_resident_layers)`` does not fit.
     Layers stored as quantised blocks are read through two buffers (one read ahead while the other decodes), or
     through one when the budget cannot hold the minimum with two."""
     num_layers = len(parts.layers)
