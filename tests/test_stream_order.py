@@ -80,6 +80,8 @@ def test_planner_streams_the_first_layers_of_the_order():
     for bad in ((0, 2), (2, 2), (6,)):  # below min_resident_layers, twice, outside the model
         with pytest.raises(InvalidArgumentError, match="stream_order"):
             plan(75 * KIB, bad)
+    with pytest.raises(InvalidArgumentError, match="one agreement per layer"):
+        MemoryNeeds(min_resident_layers=1, stream_order=(1, 2), stream_agreement=(0.5,)).validate(6)
 
 
 def test_the_order_is_greedy_nested_and_cached():

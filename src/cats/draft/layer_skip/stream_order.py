@@ -28,8 +28,8 @@ from cats.draft.layer_skip.calibration import AgreementProbe, calibration_prompt
 from cats.draft.layer_skip.drafter import SkipSet
 from cats.errors import InvalidArgumentError
 from cats.model import LayeredModel
-from cats.model.identity import model_fingerprint, model_identity
-from cats.model.weights.stream_order import StreamOrder, load_stream_order, store_stream_order
+from cats.model.identity import model_identity
+from cats.model.weights.stream_order import StreamOrder, store_stream_order
 
 WIDTH = 8  # candidates tried per step
 
@@ -87,16 +87,16 @@ def calibrate_stream_order(model: LayeredModel, length: int | None = None, promp
 
 
 def streamed_skip(model: LayeredModel) -> tuple[SkipSet, float] | None:
-    """Under a memory plan that streams a prefix of the model's calibrated stream order: the skip set of the streamed
-    layers and the agreement calibrated for it; else None (nothing streams, or the deepest layers do)."""
+    """Under a memory plan that streams a prefix of the model's calibrated stream order (as the plan holds it:
+    ``needs.stream_order`` and ``needs.stream_agreement``): the skip set of the streamed layers and the agreement
+    calibrated for it; else None (nothing streams, the deepest layers do, or more stream than the order lists)."""
     plan = model.memory_plan
-    if model.weights is None or plan is None or not plan.needs.stream_order:
+    if model.weights is None or plan is None:
         return None
-    order = load_stream_order(model_fingerprint(model), model.num_layers)
     count = len(plan.streamed)
-    if order is None or order.skipped(min(count, len(order.layers))) != plan.streamed:
+    if not 0 < count <= len(plan.needs.stream_agreement):
         return None
-    return skip_layers(plan.streamed), order.agreement_at(count)
+    return skip_layers(plan.streamed), plan.needs.stream_agreement[count - 1]
 
 
 __all__ = ["WIDTH", "calibrate_stream_order", "skip_layers", "streamed_skip"]

@@ -13,8 +13,8 @@ What the planner keeps resident, in this order of priority:
 The streamed layers are the deepest ones, ``[R, L)``, unless the method drafts by skipping the streamed layers and
 the model has a calibrated stream order (``MemoryNeeds.stream_order``, `cats.model.weights.stream_order`): then they
 are the first ``L - R`` layers of that order, the layers its draft skips best. Either way every forward pass reads
-them in one ascending sweep, once per verification pass, however many tokens the pass verifies. Every byte count comes from the model's real parameter
-sizes (`PartSizes.of`); KV cache and activations are estimates from the config (see `kv_cache_bytes` and
+them in one ascending sweep, once per verification pass, however many tokens the pass verifies. Every byte count
+comes from the model's real parameter sizes (`PartSizes.of`); KV cache and activations are estimates from the config (see `kv_cache_bytes` and
 `activation_bytes`). A budget below the minimum is refused with a message that names the minimum.
 """
 
@@ -186,6 +186,8 @@ class MemoryNeeds:
     skip_streamed: bool = False  # the method drafts by skipping the streamed layers: stream them in the model's
     # calibrated stream order where one is known (`cats.model.weights.stream_order`)
     stream_order: tuple[int, ...] = ()  # layers in the order they stream (the first n when n must); () = deepest first
+    stream_agreement: tuple[float, ...] = ()  # with stream_order: a skip draft's calibrated agreement with its first n
+    # layers skipped (``[n - 1]``)
 
     def validate(self, num_layers: int) -> None:
         if self.context_tokens < 1:
@@ -203,6 +205,8 @@ class MemoryNeeds:
             raise InvalidArgumentError(f"stream_order must list distinct layers of [{self.min_resident_layers}, "
                                        f"{num_layers}) (the layers below min_resident_layers stay), got "
                                        f"{self.stream_order}")
+        if self.stream_agreement and len(self.stream_agreement) != len(self.stream_order):
+            raise InvalidArgumentError("stream_agreement holds one agreement per layer of stream_order")
 
 
 def _head_dim(config) -> int:
@@ -358,8 +362,7 @@ class MemoryPlan:
             lines.append("  every layer is resident: nothing streams")
         if self.needs.shallow_layers > self.resident_prefix:
             lines.append(f"  the shallow verifier's layers [{self.resident_prefix}, {self.needs.shallow_layers}) "
-                         "stream "
-                         f"too (keeping [0, {self.needs.shallow_layers}) needs a larger budget); the cascade then "
+                         f"stream too (keeping [0, {self.needs.shallow_layers}) needs a larger budget); the cascade then "
                          "adds no correction branches, which would read them twice per pass")
         return "\n".join(lines)
 

@@ -97,7 +97,7 @@ def apply_stream_order(needs, fingerprint: str, num_layers: int) -> None:
         return
     order = load_stream_order(fingerprint, num_layers)
     if order is not None and min(order.layers) >= needs.min_resident_layers:
-        needs.stream_order = order.layers
+        needs.stream_order, needs.stream_agreement = order.layers, order.agreement
 
 
 def store_stream_order(identity: dict, order: StreamOrder) -> Path:
