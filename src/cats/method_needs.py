@@ -18,6 +18,7 @@ from cats.draft.sizing import BUCKETS, pass_tokens
 from cats.model.adapter import find_adapter, find_draft_adapter, read_adapter_config
 from cats.model.eagle3 import find_eagle3_folder
 from cats.model.kernels.gguf_modules import STORED_FLOAT_TYPES
+from cats.model.streamed_head import draft_vocabulary_size
 from cats.model.weights.budget import MemoryNeeds, numel
 from cats.model.weights.parts import read_header
 
@@ -153,6 +154,15 @@ def layer_skip_needs(needs, config, held, d):  # under a budget it skips the str
     needs.min_resident_layers = 1  # as dytc's: layer 0 is the layer a draft can least do without
     needs.skip_streamed = True
     needs.max_tree_tokens = (d.num_draft_tokens or LAYER_SKIP_TOKENS) + 1
+    _streamed_head_needs(needs, config, d.num_draft_tokens or LAYER_SKIP_TOKENS)
+
+
+def _streamed_head_needs(needs, config, draft_tokens: int) -> None:
+    """A skip draft without adapters may read out through the lm_head's draft-vocabulary rows while the head
+    streams, where the plan finds that pays (`cats.model.streamed_head`)."""
+    if not needs.adapter_bytes and not needs.head_rows:
+        needs.head_draft_rows = draft_vocabulary_size(config.vocab_size)
+        needs.draft_tokens = draft_tokens
 
 
 def dytc_needs(needs, config, held, d):  # under a budget, layer skipping skips exactly the streamed layers (`_dytc`)
@@ -160,6 +170,7 @@ def dytc_needs(needs, config, held, d):  # under a budget, layer skipping skips 
     layers = [] if head else _adapter_needs(needs, config, held, d)
     needs.min_resident_layers = _draft_layers(layers, config, d) if layers else 1  # layer 0 times its cost model
     needs.skip_streamed = True  # its layer-skip drafter skips what streams, where the model has a stream order
+    _streamed_head_needs(needs, config, LAYER_SKIP_TOKENS)
     if d.total_tokens is not None:
         needs.max_tree_tokens = d.total_tokens + 1
     elif d.adapters is None:  # lookup and recycling: their largest pass, a lookup chain grafted on a recycling tree

@@ -210,6 +210,8 @@ class CatsMethod(BenchMethod):
             info["weights"] += f", {model.large_pages.share:.0%} in 2 MiB pages"
         if model.memory_plan is not None:
             info["streamed_layers"] = list(model.memory_plan.streamed)
+            if model.memory_plan.head_streamed:
+                info["head_streamed"] = True
         if self.drafter is not None and self.drafter.speculation is not None:
             info["speculation"] = self.drafter.speculation
         return info

@@ -91,7 +91,7 @@ def render_report(summary: dict, requested_methods: list[str] | None = None) -> 
             layers = offload.get("streamed_layers")
             lines.append(
                 f"| {name} | {_cell(m['peak_rss_mb'], 0)} | {_cell(m.get('within_budget'))} "
-                f"| {layer_ranges(layers) if layers else '–'} "
+                f"| {layer_ranges(layers) if layers else '–'}{' + lm_head' if offload.get('head_streamed') else ''} "
                 f"| {_cell(offload['bytes_read'] / 2**20, 0) if offload else '–'} | {_cell(offload.get('read_s'), 1)} "
                 f"| {_cell(offload.get('decode_s'), 1)} | {_cell(offload.get('stall_s'), 1)} "
                 f"| {_percent(offload.get('hidden_fraction'))} "

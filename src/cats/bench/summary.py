@@ -152,7 +152,8 @@ def offload_totals(answers: Sequence[dict]) -> dict | None:
     hidden = 1 - total["stall_s"] / total["read_s"] if total["read_s"] > 0 else 0.0
     total.update(hidden_fraction=round(min(1.0, max(0.0, hidden)), 4),
                  read_mb_per_s=round(total["bytes_read"] / 2**20 / total["read_s"], 1) if total["read_s"] else None,
-                 streamed_layers=turns[-1]["streamed_layers"], io=turns[-1]["io"])
+                 streamed_layers=turns[-1]["streamed_layers"], io=turns[-1]["io"],
+                 head_streamed=bool(turns[-1].get("head_streamed")))
     return total
 
 

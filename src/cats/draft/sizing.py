@@ -74,7 +74,8 @@ def choose_bucket(pass_s: Mapping[int, float], chain: bool = False,
 
 def time_layer_and_head(model, tokens: int, repeats: int = 3) -> tuple[float, float]:
     """Seconds of one decoder layer and of the lm_head over ``tokens`` tokens: layer 0 (resident whenever a drafter
-    runs) timed on a scratch cache of 64 tokens, the head on that many rows; the fastest of ``repeats`` runs."""
+    runs) timed on a scratch cache of 64 tokens, the head on that many rows (a streamed head: its resident draft rows,
+    scaled to the whole vocabulary); the fastest of ``repeats`` runs."""
     hidden_size = model.config.hidden_size
     generator = torch.Generator().manual_seed(0)
     best = (float("inf"), float("inf"))
@@ -89,8 +90,12 @@ def time_layer_and_head(model, tokens: int, repeats: int = 3) -> tuple[float, fl
             layer_s = time.perf_counter() - start
             cache.crop(64)
             start = time.perf_counter()
-            model.head(hidden[0])
-            head_s = time.perf_counter() - start
+            if model.head_streamed:  # timed on its resident draft rows (no read), scaled to all its rows
+                model.draft_head(hidden[0])
+                head_s = (time.perf_counter() - start) * model.vocab_size / model.memory_plan.needs.head_draft_rows
+            else:
+                model.head(hidden[0])
+                head_s = time.perf_counter() - start
             if layer_s * model.num_layers + head_s < best[0] * model.num_layers + best[1]:
                 best = (layer_s, head_s)
     return best
@@ -133,7 +138,7 @@ def speculation_for(model, chain: bool = False) -> tuple[SpeculationBucket, dict
     bandwidth = weights.wait_for_bandwidth()
     read_s = plan.bytes_per_pass / bandwidth
     sizes = sorted({1} | {b.chain_pass_tokens if chain else b.tree_pass_tokens for b in allowed})
-    pass_s = {tokens: streamed_pass_s(plan.resident_layers, len(plan.streamed), plan.pool_slots, read_s,
+    pass_s = {tokens: streamed_pass_s(plan.resident_layers, plan.streamed_units, plan.pool_slots, read_s,
                                       *time_layer_and_head(model, tokens)) for tokens in sizes}
     bucket = choose_bucket(pass_s, chain, allowed)
     info = {"reason": f"largest bucket whose pass costs at most {NEARLY_FREE:.0%} more than a one-token pass",

@@ -216,7 +216,8 @@ def offload_counters(model: LayeredModel, before) -> dict:
     """The streamer's counters since ``before``, with what streamed and how."""
     weights = model.weights
     counters = weights.snapshot().minus(before).to_dict()
-    counters.update(streamed_layers=list(weights.streamed), io=weights.io,
+    plan = model.memory_plan
+    counters.update(streamed_layers=list(plan.streamed), head_streamed=plan.head_streamed, io=weights.io,
                     store_page_cache_mb=round(page_cache_bytes(weights.store_files()) / 2**20, 2))
     return counters
 

@@ -89,7 +89,9 @@ class GenerationStats:
                + (f", {self.shallow['redraft_passes']} redraft passes" if self.shallow.get("redraft_passes") else "")
                if self.shallow else "")
             + (f"; scheduler: {_scheduler_text(self.scheduler)}" if self.scheduler else "")
-            + (f"; offload: layers {layer_ranges(self.offload['streamed_layers'])} streamed ({self.offload['io']}), "
+            + (f"; offload: layers {layer_ranges(self.offload['streamed_layers'])}"
+               + (" and the lm_head" if self.offload.get("head_streamed") else "")
+               + f" streamed ({self.offload['io']}), "
                f"read {self.offload['bytes_read'] / 2**20:.0f} MiB in "
                f"{self.offload['read_s']:.2f} s"
                + (f" ({self.offload['decode_s']:.2f} s decoding blocks)" if self.offload.get("decode_s") else "")

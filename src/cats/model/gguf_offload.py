@@ -19,6 +19,10 @@ import torch
 from cats.errors import InvalidArgumentError
 from cats.model.gguf_model import FileMapping, load_gguf_model
 from cats.model.identity import hf_model_fingerprint
+from cats.model.layered import eos_token_ids
+from cats.model.kernels.gguf_modules import GGUFLinear
+from cats.model.streamed_head import (StreamedHead, draft_rows, draft_vocabulary, draft_vocabulary_size, head_pieces,
+                                      streams)
 from cats.model.weights.budget import STORE_ALIGNMENT, MemoryNeeds, MemoryPlan
 from cats.model.weights.offload import check_io, default_needs, plan_for, set_parameters
 from cats.model.weights.parts import PartHeader, TensorEntry
@@ -73,11 +77,13 @@ def stream_gguf_layers(hf_model, budget: str | int, needs: MemoryNeeds | None = 
     needs = default_needs(hf_model.config, needs)
     if needs.skip_streamed:  # what the method's skip draft skips streams, where calibrated
         apply_stream_order(needs, hf_model_fingerprint(hf_model), len(layers))
+    if not streams(hf_model.lm_head):
+        needs.head_draft_rows = 0
     plan: MemoryPlan = plan_for(hf_model, budget, needs,
                                 stored_layers=[max(span.data_bytes, size) for span, size in zip(spans, sizes)])
     if plan.parts.embed_rows:  # planned for the rows read: fault in those rows only
         mapping.read_at_random(hf_model.model.embed_tokens.blocks)
-    if not plan.streamed:
+    if not plan.streamed and not plan.head_streamed:
         return plan, None
     layouts = {i: spans[i] for i in plan.streamed}
     for i in plan.streamed:  # nothing of a streamed layer is touched outside its turn
@@ -85,6 +91,38 @@ def stream_gguf_layers(hf_model, budget: str | int, needs: MemoryNeeds | None = 
         set_parameters(layers[i], {name: torch.empty_like(parameters[name], device="meta")
                                    for name in layouts[i].entries})
         mapping.release(layouts[i].data_start, layouts[i].data_bytes)
-    streamer = LayerStreamer(hf_model.model.layers, plan.num_layers, layouts, plan.pool_slots, plan.slot_bytes,
-                             io=io, read_buffers=plan.read_buffers)
+    units = list(layers)
+    if plan.head_streamed:
+        units += _stream_head(hf_model, plan, mapping, layouts)
+    streamer = LayerStreamer(units, len(units), layouts, plan.pool_slots, plan.slot_bytes, io=io,
+                             read_buffers=plan.read_buffers)
+    if plan.head_streamed:
+        hf_model.lm_head.streamer = streamer
     return plan, streamer
+
+
+def _stream_head(hf_model, plan: MemoryPlan, mapping: FileMapping, layouts: dict) -> list:
+    """Replace the lm_head by a `StreamedHead`: a copy of its draft-vocabulary rows stays (``hf_model.draft_rows``;
+    its leading rows serve the head too), the rows after them are pieces read as units ``L, L + 1, ..`` of the
+    streamer (their spans of the file added to ``layouts``), and the head's pages of the file are handed back.
+    Returns the pieces."""
+    hf_model.cats_fingerprint = hf_model_fingerprint(hf_model)  # it reads the head's rows, which will stream
+    head = hf_model.lm_head
+    offset, (rows, row_bytes) = mapping.offset_of(head.blocks), head.blocks.shape
+    vocab = draft_vocabulary(rows, eos_token_ids(getattr(hf_model, "generation_config", None), hf_model.config, None))
+    kept = draft_vocabulary_size(rows)  # rows [0, kept): the draft's first rows, the head's resident part
+    hf_model.draft_rows = draft_rows(head, vocab)
+    pieces = head_pieces(head, kept, plan.head_chunk_rows)
+    first, start_row = plan.num_layers, kept
+    for j, piece in enumerate(pieces):
+        begin = offset + start_row * row_bytes
+        start = begin // STORE_ALIGNMENT * STORE_ALIGNMENT
+        size = piece.out_features * row_bytes
+        layouts[first + j] = PartHeader(mapping.path, start, begin - start + size, {
+            "blocks": TensorEntry(head.blocks.dtype, (piece.out_features, row_bytes), begin - start,
+                                  begin - start + size)})
+        start_row += piece.out_features
+    mapping.release(offset, rows * row_bytes)
+    resident = GGUFLinear(hf_model.draft_rows.rows.blocks[:kept], head.type_code, head.columns)
+    hf_model.lm_head = StreamedHead(resident, pieces, first)
+    return pieces

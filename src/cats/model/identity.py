@@ -22,7 +22,11 @@ def model_fingerprint(model) -> str:
 
 
 def hf_model_fingerprint(hf_model) -> str:
-    """`model_fingerprint` of a ``*ForCausalLM`` module (its lm_head's sampled rows must be real)."""
+    """`model_fingerprint` of a ``*ForCausalLM`` module (its lm_head's sampled rows must be real, or the fingerprint
+    kept as ``hf_model.cats_fingerprint`` before its head began to stream)."""
+    kept = getattr(hf_model, "cats_fingerprint", None)
+    if kept is not None:
+        return kept
     head = hf_model.lm_head
     rows = fingerprint_rows(head.out_features)
     if hasattr(head, "dequantized"):  # a head on GGUF blocks: only the sampled rows, dequantised

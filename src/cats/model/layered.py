@@ -207,6 +207,22 @@ class LayeredModel:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
+    @property
+    def head_streamed(self) -> bool:
+        """Whether the lm_head streams under the memory plan (`cats.model.streamed_head`)."""
+        return self.memory_plan is not None and self.memory_plan.head_streamed
+
+    def draft_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits a draft reads out (``[..., V]``): the head's, or while the lm_head streams, those of its
+        resident draft-vocabulary rows (-inf for every other token)."""
+        rows = getattr(self.hf_model, "draft_rows", None)
+        if rows is None or not self.head_streamed:
+            return self.head(hidden)
+        logits = rows(self.decoder.norm(hidden))
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
     def forward_layers(
         self,
         hidden: torch.Tensor,

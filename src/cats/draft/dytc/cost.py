@@ -105,7 +105,7 @@ def streamed_shape(model, sizes: Sequence[int] = CALIBRATION_SIZES, repeats: int
     began = clock()
     plan = model.memory_plan
     read_s = plan.bytes_per_pass / model.weights.wait_for_bandwidth()
-    streamed = len(plan.streamed)
+    streamed = plan.streamed_units  # the streamed layers and the streamed lm_head's pieces
     seconds = {n: streamed_pass_s(plan.resident_layers, streamed, plan.pool_slots, read_s,
                                   *time_layer_and_head(model, n, repeats=repeats)) for n in sizes}
     return CostShape.of(seconds, context=64, measure_s=clock() - began)

@@ -236,7 +236,8 @@ class LayerSkipDrafter(Drafter):
                 inputs = torch.tensor(feed + guesses, dtype=torch.long)
                 hidden = self.skip_model.forward(inputs, cache, torch.arange(position, position + len(inputs)))
                 self.forwards += 1
-                logits = self.model.head(hidden[0, len(feed) - 1:])  # rows: after the last fed token, each guess
+                # rows: after the last fed token, each guess (while the lm_head streams: its draft vocabulary's rows)
+                logits = self.model.draft_head(hidden[0, len(feed) - 1:])
                 predicted = logits.argmax(-1).tolist()
                 kept = 0
                 while kept < len(guesses) and guesses[kept] == predicted[kept]:

@@ -43,6 +43,7 @@ DEFAULT_PREFETCH = 2
 # that left 1-4 MiB of the limit unplanned took 660-3,600 major faults, one that left 13 MiB up to 880, and 23-26
 # MiB 160-180 (most of them while loading).
 LIBRARY_PAGES = 32 << 20
+END_ROWS = 8  # draft-vocabulary rows planned for end-of-sequence ids (`cats.model.streamed_head.END_ROWS`)
 STORE_ALIGNMENT = 4096  # layer files and stream buffers are aligned to this (O_DIRECT needs it)
 
 
@@ -188,6 +189,10 @@ class MemoryNeeds:
     stream_order: tuple[int, ...] = ()  # layers in the order they stream (the first n when n must); () = deepest first
     stream_agreement: tuple[float, ...] = ()  # with stream_order: a skip draft's calibrated agreement with its first n
     # layers skipped (``[n - 1]``)
+    head_draft_rows: int = 0  # with stream_order: the lm_head rows a skip draft reads out through where the head itself
+    # streams (its draft vocabulary); > 0 lets the plan stream the head after the last layer where that is estimated
+    # to commit more tokens per time (`skip_draft_rate`); 0: the head stays resident
+    draft_tokens: int = 4  # with head_draft_rows: the skip draft's chain length, for that estimate
 
     def validate(self, num_layers: int) -> None:
         if self.context_tokens < 1:
@@ -207,6 +212,9 @@ class MemoryNeeds:
                                        f"{self.stream_order}")
         if self.stream_agreement and len(self.stream_agreement) != len(self.stream_order):
             raise InvalidArgumentError("stream_agreement holds one agreement per layer of stream_order")
+        if self.head_draft_rows < 0 or self.draft_tokens < 1:
+            raise InvalidArgumentError(f"head_draft_rows must not be negative and draft_tokens must be at least 1, got "
+                                       f"{self.head_draft_rows} and {self.draft_tokens}")
 
 
 def _head_dim(config) -> int:
@@ -248,6 +256,8 @@ class MemoryPlan:
     slot_bytes: int  # bytes of one stream buffer (the largest streamed layer, aligned)
     minimum: int  # the smallest budget that holds the resident minimum with this many stream buffers
     read_buffers: int = 2  # buffers for reading quantised blocks (2: the next layer is read while one decodes)
+    head_streamed: bool = False  # the lm_head streams too, after the last layer, in `head_chunks` pieces of a stream
+    # buffer each; drafts read out through its ``needs.head_draft_rows`` rows, kept resident
 
     @property
     def num_layers(self) -> int:
@@ -285,9 +295,44 @@ class MemoryPlan:
         return self.pool_slots * self.slot_bytes + self.read_buffer_bytes
 
     @property
+    def head_chunk_rows(self) -> int:
+        """lm_head rows per streamed piece: as many as a stream buffer holds from an aligned start (0: it stays)."""
+        if not self.head_streamed:
+            return 0
+        return max(1, (self.slot_bytes - STORE_ALIGNMENT) // self.parts.head_row_bytes)
+
+    @property
+    def head_streamed_rows(self) -> int:
+        """lm_head rows read per pass: all but the draft vocabulary's leading rows (0 when it stays resident)."""
+        if not self.head_streamed:
+            return 0
+        return max(0, self.parts.lm_head // self.parts.head_row_bytes - self.needs.head_draft_rows)
+
+    @property
+    def head_chunks(self) -> int:
+        """Pieces the streamed lm_head rows are read in (0 when it stays resident)."""
+        rows = self.head_streamed_rows
+        return -(-rows // self.head_chunk_rows) if rows else 0
+
+    @property
+    def streamed_units(self) -> int:
+        """Reads per pass: the streamed layers and the streamed lm_head's pieces."""
+        return len(self.streamed) + self.head_chunks
+
+    @property
+    def draft_rows_bytes(self) -> int:
+        """The lm_head rows a skip draft reads out through while the head streams (row and token id each, with room
+        for the end-of-sequence ids above them); the streamed head computes its leading rows there."""
+        if not self.head_streamed:
+            return 0
+        return (self.needs.head_draft_rows + END_ROWS) * (self.parts.head_row_bytes + 8)
+
+    @property
     def bytes_per_pass(self) -> int:
-        """Bytes read from the store by one forward pass over every layer (one verification pass)."""
-        return sum(self.parts.stored(i) for i in self.streamed)
+        """Bytes read from the store by one forward pass over every layer (one verification pass), the streamed
+        lm_head's included."""
+        head = self.head_streamed_rows * self.parts.head_row_bytes + self.head_chunks * STORE_ALIGNMENT
+        return sum(self.parts.stored(i) for i in self.streamed) + head
 
     @property
     def coded_streamed(self) -> list[int]:
@@ -300,7 +345,8 @@ class MemoryPlan:
 
     @property
     def planned_bytes(self) -> int:
-        return (self.needs.runtime_bytes + self.needs.library_pages_bytes + self.parts.always_resident
+        head = self.draft_rows_bytes - self.parts.lm_head if self.head_streamed else 0
+        return (self.needs.runtime_bytes + self.needs.library_pages_bytes + self.parts.always_resident + head
                 + self.adapter_bytes + self.kv_bytes
                 + self.activation_bytes
                 + self.resident_layer_bytes + self.pool_bytes)
@@ -312,13 +358,18 @@ class MemoryPlan:
 
     def with_resident(self, resident: int) -> "MemoryPlan":
         """The same needs with ``resident`` layers resident (the others stream: `streamed`; the budget is not
-        checked): its ``planned_bytes`` is the budget that plan needs."""
+        checked): its ``planned_bytes`` is the budget that plan needs. A streamed lm_head is read through buffers of
+        the largest layer's size."""
         streamed = [max(self.parts.layers[i], self.parts.stored(i))
                     for i in streamed_layers(self.num_layers, resident, self.needs.stream_order)]
-        slots = min(self.needs.prefetch + 1, len(streamed))
-        slot_bytes = round_up(max(streamed)) if streamed else 0
-        return MemoryPlan(self.budget, self.parts, self.needs, self.kv_bytes, self.activation_bytes, resident, slots,
-                          slot_bytes, self.minimum, self.read_buffers)
+        if self.head_streamed:
+            slot_bytes = round_up(max(max(layer, self.parts.stored(i)) for i, layer in enumerate(self.parts.layers)))
+        else:
+            slot_bytes = round_up(max(streamed)) if streamed else 0
+        plan = MemoryPlan(self.budget, self.parts, self.needs, self.kv_bytes, self.activation_bytes, resident, 0,
+                          slot_bytes, self.minimum, self.read_buffers, self.head_streamed)
+        plan.pool_slots = min(self.needs.prefetch + 1, plan.streamed_units)
+        return plan
 
     def rows(self) -> list[tuple[str, int]]:
         parts = self.parts
@@ -328,7 +379,9 @@ class MemoryPlan:
         if self.needs.library_pages_bytes:
             rows.append(("library pages read each step", self.needs.library_pages_bytes))
         rows.append((head, parts.embed))
-        if parts.lm_head:
+        if self.head_streamed:
+            rows.append((f"lm_head rows of the draft vocabulary ({self.needs.head_draft_rows})", self.draft_rows_bytes))
+        elif parts.lm_head:
             rows.append(("lm_head", parts.lm_head))
         rows += [("final norm", parts.norm), ("adapters", self.adapter_bytes),
                  (f"KV cache ({self.needs.context_tokens} + {self.needs.max_tree_tokens} tokens)", self.kv_bytes),
@@ -348,10 +401,17 @@ class MemoryPlan:
                  f"minimum {mib(self.minimum)})"]
         lines += [f"  {name:<40} {mib(size):>12}" for name, size in self.rows()]
         lines.append(f"  {'total planned':<40} {mib(self.planned_bytes):>12}")
-        if self.streamed:
+        if self.streamed or self.head_streamed:
+            rows = self.head_streamed_rows * self.parts.head_row_bytes
+            head = (f" and the lm_head's rows past the draft's ({mib(rows)}, in {self.head_chunks} pieces)"
+                    if self.head_streamed else "")
             lines.append(f"  streamed layers {layer_ranges(self.streamed)} "
-                         f"({len(self.streamed)} of {self.num_layers}): {mib(self.bytes_per_pass)} read per "
+                         f"({len(self.streamed)} of {self.num_layers}){head}: {mib(self.bytes_per_pass)} read per "
                          f"verification pass, {self.needs.prefetch} layer(s) read ahead")
+            if self.head_streamed:
+                lines.append(f"  the lm_head streams after the last layer: the skip draft reads out through its "
+                             f"{self.needs.head_draft_rows} rows of the lowest token ids (and the end-of-sequence "
+                             "ids), kept resident, and the head reads those from there")
             if self.needs.stream_order:
                 lines.append("  the streamed layers are those the model's layer-skip draft skips "
                              "(its calibrated stream order): it drafts from the resident layers alone")
@@ -373,6 +433,7 @@ class MemoryPlan:
             "parts_mb": {name: round(size / MIB, 2) for name, size in self.rows()},
             "resident_layers": self.resident_layers, "streamed_layers": list(self.streamed),
             "pool_slots": self.pool_slots, "bytes_per_pass": self.bytes_per_pass, "coded_layers": self.coded_layers,
+            "head_streamed": self.head_streamed, "head_chunks": self.head_chunks,
             "needs": asdict(self.needs),
         }
 
@@ -401,19 +462,68 @@ def plan_memory(budget: int, parts: PartSizes, needs: MemoryNeeds, kv_bytes: int
     """Keep as many layers resident as the budget allows (bottom up, or the last of ``needs.stream_order`` first);
     stream the rest through ``prefetch + 1`` buffers. Raises `BudgetTooSmallError` naming the minimum when even ``[0, min_resident_layers)`` does not fit.
     Layers stored as quantised blocks are read through two buffers (one read ahead while the other decodes), or
-    through one when the budget cannot hold the minimum with two."""
-    num_layers = len(parts.layers)
-    needs.validate(num_layers)
-    floor = needs.min_resident_layers
-    for read_buffers in (2, 1):
-        base = MemoryPlan(budget, parts, needs, kv_bytes, activation, num_layers, 0, 0, 0, read_buffers)
-        base.minimum = min(base.with_resident(resident).planned_bytes for resident in range(floor, num_layers + 1))
-        for resident in range(num_layers, floor - 1, -1):
-            if base.with_resident(resident).planned_bytes <= budget:
-                return base.with_resident(resident)
-    lowest, minimum = base.with_resident(floor), base.minimum
+    through one when the budget cannot hold the minimum with two.
+
+    With ``needs.head_draft_rows`` (a skip draft over a stream order, on an untied head) the plan with the lm_head
+    streamed is made too, and the one `skip_draft_rate` rates higher is kept: the head's bytes then hold more
+    layers, so the skip draft skips fewer and agrees more, for the head's read on every pass."""
+    needs.validate(len(parts.layers))
+    variants = (False, True) if needs.head_draft_rows and parts.lm_head and needs.stream_order else (False,)
+    fitted = {head: _fit(budget, parts, needs, kv_bytes, activation, head) for head in variants}
+    minimum = min(_lowest(parts, needs, kv_bytes, activation, head).planned_bytes for head in variants)
+    plans = [plan for plan in fitted.values() if plan is not None]
+    if plans:
+        chosen = plans[0]
+        kept, streaming = fitted[False], fitted.get(True)
+        if streaming is not None and (kept is None or (
+                kept.streamed and skip_draft_rate(streaming) > skip_draft_rate(kept))):
+            chosen = streaming
+        chosen.minimum = minimum
+        return chosen
+    lowest = _lowest(parts, needs, kv_bytes, activation, False)
     detail = ", ".join(f"{name} {mib(size)}" for name, size in lowest.rows() if size)
     raise BudgetTooSmallError(
         f"memory budget {mib(budget)} is below the minimum of {mib(minimum)} for this model and method ({detail}); "
         f"pass a budget of at least {budget_text(minimum)}, a shorter context, or a smaller tree"
         + (f" (the weights alone are {mib(parts.weights)})" if budget < parts.always_resident else ""))
+
+
+def _lowest(parts: PartSizes, needs: MemoryNeeds, kv_bytes: int, activation: int, head_streamed: bool) -> MemoryPlan:
+    """The plan with the fewest layers resident, one block read buffer: the least a budget must hold."""
+    base = MemoryPlan(0, parts, needs, kv_bytes, activation, len(parts.layers), 0, 0, 0, 1, head_streamed)
+    return min((base.with_resident(resident) for resident in range(needs.min_resident_layers, len(parts.layers) + 1)),
+               key=lambda plan: plan.planned_bytes)
+
+
+def _fit(budget: int, parts: PartSizes, needs: MemoryNeeds, kv_bytes: int, activation: int,
+         head_streamed: bool) -> MemoryPlan | None:
+    """The plan with the most layers resident that fits ``budget`` (two block read buffers, else one), or None. With
+    the head streamed at least one layer streams too (a skip draft that skips none is the model itself)."""
+    num_layers, floor = len(parts.layers), needs.min_resident_layers
+    most = num_layers - 1 if head_streamed else num_layers
+    for read_buffers in (2, 1):
+        base = MemoryPlan(budget, parts, needs, kv_bytes, activation, num_layers, 0, 0, 0, read_buffers, head_streamed)
+        base.minimum = min(base.with_resident(resident).planned_bytes for resident in range(floor, num_layers + 1))
+        for resident in range(most, floor - 1, -1):
+            if base.with_resident(resident).planned_bytes <= budget:
+                return base.with_resident(resident)
+    return None
+
+
+MEMORY_TO_DISK = 10  # bytes read from memory in the time the disk reads one (2 vCPU Zen 4: ~27 GB/s, 2-3.4 GB/s)
+
+
+def skip_draft_rate(plan: MemoryPlan) -> float:
+    """An estimate of the tokens a skip draft over ``plan``'s streamed layers commits per unit of time: a chain of
+    k = ``needs.draft_tokens`` drafts, each accepted with the calibrated agreement a of the streamed set, commits
+    1 + a + ... + a^k tokens per pass; the pass costs its reads, ``bytes_per_pass``, and k draft tokens, each
+    reading the resident layers and the head it reads out through from memory, `MEMORY_TO_DISK` times faster
+    (all in disk-byte units). 0 where the order gives no agreement for the streamed set."""
+    count, agreements = len(plan.streamed), plan.needs.stream_agreement
+    if not 0 < count <= len(agreements):
+        return 0.0
+    agreement, k = agreements[count - 1], plan.needs.draft_tokens
+    tokens = sum(agreement ** i for i in range(k + 1))
+    head = plan.draft_rows_bytes if plan.head_streamed else plan.parts.lm_head
+    draft = k * (plan.resident_layer_bytes + head) / MEMORY_TO_DISK
+    return tokens / (draft + plan.bytes_per_pass)
