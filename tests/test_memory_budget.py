@@ -8,7 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cats.errors import InvalidArgumentError
-from cats.model.weights.budget import (BudgetTooSmallError, MemoryNeeds, PartSizes, kv_cache_bytes, parse_budget, plan_memory)
+from cats.model.weights.budget import BudgetTooSmallError, MemoryNeeds, PartSizes, parse_budget, plan_memory
+from cats.model.weights.transient import kv_cache_bytes
 from cats.draft.sizing import BUCKETS, choose_bucket, streamed_pass_s
 from tests.conftest import tiny_config, tiny_model
 from cats.config import DraftConfig

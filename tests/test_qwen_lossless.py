@@ -90,15 +90,18 @@ def test_qwen_on_blocks_matches_its_plain_decoding_exactly(qwen, references, met
 
 @pytest.mark.parametrize("method", ["layer-skip", "dytc"])
 def test_qwen_under_a_budget_drafts_from_its_resident_layers_exactly(qwen, references, method):
-    """Under a budget the layers of Qwen's shipped stream order stream from the file and the skip draft runs the
-    resident ones alone: every pass sweeps the streamed layers once, and the output is the resident model's."""
+    """Under a budget the layers of Qwen's shipped stream order stream from the file, and so does the lm_head past
+    its draft-vocabulary rows (at 50 % it holds five layers more), and the skip draft runs the resident layers and
+    those rows alone: every pass sweeps the streamed layers and the head's pieces once, and the output is the
+    resident model's."""
     model = cats.load(qwen.name, memory=cats.MemoryConfig(budget="50%"), method=method, context_tokens=400)
     plan = model.memory_plan
     assert plan.needs.stream_order and plan.streamed == tuple(sorted(plan.needs.stream_order[: len(plan.streamed)]))
     assert 0 < len(plan.streamed) < 28 and plan.streamed != tuple(range(plan.resident_layers, 28))
+    assert plan.head_streamed and plan.head_chunks > 0
     generator = Generator(model, make_drafter(method, model), method=method)
     for prompt, expected in references:
         result = generator.generate(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS))
         assert result.token_ids == expected, method
-        assert result.stats.offload["acquires"] == len(plan.streamed) * result.stats.target_forwards, method
+        assert result.stats.offload["acquires"] == plan.streamed_units * result.stats.target_forwards, method
     model.close()

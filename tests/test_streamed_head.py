@@ -13,7 +13,8 @@ from cats.loop.generator import Generator
 from cats.methods import make_drafter, memory_needs
 from cats.model.streamed_head import StreamedHead, draft_vocabulary, draft_vocabulary_size
 from cats.model.weights import budget
-from cats.model.weights.budget import STORE_ALIGNMENT, MemoryNeeds, PartSizes, plan_memory, skip_draft_rate
+from cats.model.weights.budget import STORE_ALIGNMENT, MemoryNeeds, PartSizes, plan_memory
+from cats.model.weights.skip_rate import MEMORY_TO_DISK, skip_draft_rate
 from tests.conftest import STORIES_GGUF, needs
 
 KIB = 1 << 10
@@ -66,7 +67,7 @@ def test_the_skip_draft_rate_counts_the_chain_the_reads_and_the_draft():
     one = plan(100 * KIB)
     count = len(one.streamed)
     a, k = one.needs.stream_agreement[count - 1], one.needs.draft_tokens
-    draft = k * (one.resident_layer_bytes + one.draft_rows_bytes) / budget.MEMORY_TO_DISK
+    draft = k * (one.resident_layer_bytes + one.draft_rows_bytes) / MEMORY_TO_DISK
     assert skip_draft_rate(one) == pytest.approx(sum(a ** i for i in range(k + 1)) / (draft + one.bytes_per_pass))
     assert skip_draft_rate(plan(200 * KIB)) == 0.0  # nothing streams: no skip draft
 

@@ -12,10 +12,12 @@ What the planner keeps resident, in this order of priority:
 
 The streamed layers are the deepest ones, ``[R, L)``, unless the method drafts by skipping the streamed layers and
 the model has a calibrated stream order (``MemoryNeeds.stream_order``, `cats.model.weights.stream_order`): then they
-are the first ``L - R`` layers of that order, the layers its draft skips best. Either way every forward pass reads
+are the first ``L - R`` layers of that order, the layers its draft skips best, and the lm_head may stream too, all but
+the rows of the draft's vocabulary (``MemoryNeeds.head_draft_rows``, `cats.model.streamed_head`), where
+`skip_draft_rate` rates that plan higher. Either way every forward pass reads
 them in one ascending sweep, once per verification pass, however many tokens the pass verifies. Every byte count
-comes from the model's real parameter sizes (`PartSizes.of`); KV cache and activations are estimates from the config (see `kv_cache_bytes` and
-`activation_bytes`). A budget below the minimum is refused with a message that names the minimum.
+comes from the model's real parameter sizes (`PartSizes.of`); KV cache and activations are estimates from the config
+(`cats.model.weights.transient`). A budget below the minimum is refused with a message that names the minimum.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 from cats.errors import InvalidArgumentError
 from cats.model.kernels.gguf_modules import GGUFRows
+from cats.model.weights.skip_rate import skip_draft_rate
 
 KIB, MIB, GIB, TIB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 UNITS = {
@@ -215,31 +218,6 @@ class MemoryNeeds:
         if self.head_draft_rows < 0 or self.draft_tokens < 1:
             raise InvalidArgumentError(f"head_draft_rows must not be negative and draft_tokens must be at least 1, got "
                                        f"{self.head_draft_rows} and {self.draft_tokens}")
-
-
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def kv_cache_bytes(config, itemsize: int, tokens: int, extra_layers: int = 0) -> int:
-    """K and V for ``tokens`` slots in every layer (sliding-window layers too: CATS's cache keeps full history)."""
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    per_token = 2 * kv_heads * _head_dim(config) * itemsize
-    return per_token * tokens * (config.num_hidden_layers + extra_layers)
-
-
-def activation_bytes(config, itemsize: int, tokens: int, context_tokens: int, logit_rows: int | None = None) -> int:
-    """An upper estimate of the transient tensors of one pass over ``tokens`` new tokens with ``context_tokens``
-    cached: hidden states and norms (~8 x T x H), the MLP (3 x T x I), q/k/v and the K/V expanded to all heads
-    for a masked SDPA (2 x heads x ctx x head_dim), attention scores and their softmax (2 x heads x T x ctx), the
-    additive mask (T x ctx), and logits with their float softmax copies (3 x rows x V, float32; rows = T by
-    default, 1 for a prefill)."""
-    heads, head_dim = config.num_attention_heads, _head_dim(config)
-    t, ctx = tokens, context_tokens + tokens
-    per_layer = (8 * t * config.hidden_size + 3 * t * config.intermediate_size + 3 * t * heads * head_dim
-                 + 2 * heads * ctx * head_dim + 2 * heads * t * ctx + t * ctx) * itemsize
-    logits = 3 * (t if logit_rows is None else logit_rows) * config.vocab_size * 4
-    return per_layer + logits
 
 
 @dataclass
@@ -508,22 +486,3 @@ def _fit(budget: int, parts: PartSizes, needs: MemoryNeeds, kv_bytes: int, activ
             if base.with_resident(resident).planned_bytes <= budget:
                 return base.with_resident(resident)
     return None
-
-
-MEMORY_TO_DISK = 10  # bytes read from memory in the time the disk reads one (2 vCPU Zen 4: ~27 GB/s, 2-3.4 GB/s)
-
-
-def skip_draft_rate(plan: MemoryPlan) -> float:
-    """An estimate of the tokens a skip draft over ``plan``'s streamed layers commits per unit of time: a chain of
-    k = ``needs.draft_tokens`` drafts, each accepted with the calibrated agreement a of the streamed set, commits
-    1 + a + ... + a^k tokens per pass; the pass costs its reads, ``bytes_per_pass``, and k draft tokens, each
-    reading the resident layers and the head it reads out through from memory, `MEMORY_TO_DISK` times faster
-    (all in disk-byte units). 0 where the order gives no agreement for the streamed set."""
-    count, agreements = len(plan.streamed), plan.needs.stream_agreement
-    if not 0 < count <= len(agreements):
-        return 0.0
-    agreement, k = agreements[count - 1], plan.needs.draft_tokens
-    tokens = sum(agreement ** i for i in range(k + 1))
-    head = plan.draft_rows_bytes if plan.head_streamed else plan.parts.lm_head
-    draft = k * (plan.resident_layer_bytes + head) / MEMORY_TO_DISK
-    return tokens / (draft + plan.bytes_per_pass)

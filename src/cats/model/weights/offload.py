@@ -29,8 +29,6 @@ from cats.model.weights.budget import (
     MemoryNeeds,
     MemoryPlan,
     PartSizes,
-    activation_bytes,
-    kv_cache_bytes,
     parse_budget,
     plan_memory,
 )
@@ -47,6 +45,7 @@ from cats.model.weights.store import (
 )
 from cats.model.weights.stream import IO_MODES, LayerStreamer, store_layouts
 from cats.model.weights.stream_order import apply_stream_order
+from cats.model.weights.transient import activation_bytes, kv_cache_bytes
 
 
 def plan_for(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: list[int] | None = None) -> MemoryPlan:
