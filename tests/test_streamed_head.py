@@ -22,7 +22,8 @@ KIB = 1 << 10
 
 def parts(lm_head: int = 48 * KIB) -> PartSizes:
     """Six 8 KiB layers, a head of ``lm_head`` bytes in 1 KiB rows (0: tied to the 16 KiB embeddings)."""
-    return PartSizes(embed=16 * KIB, norm=0, lm_head=lm_head, layers=[8 * KIB] * 6, head_row_bytes=KIB)
+    return PartSizes(embed=16 * KIB, norm=0, lm_head=lm_head, layers=[8 * KIB] * 6, head_row_bytes=KIB,
+                     head_streams=lm_head > 0)
 
 
 def plan(budget_bytes, agreement=(0.9, 0.8, 0.7, 0.6, 0.3), head_rows=4, sizes=None):

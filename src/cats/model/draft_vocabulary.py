@@ -13,6 +13,7 @@ from torch import nn
 
 from cats.model.kernels.gguf_modules import GGUFLinear
 from cats.model.kernels.packing import packed_linear
+from cats.model.streamed_head import widen
 
 
 class StoredRows:
@@ -21,10 +22,7 @@ class StoredRows:
     a head holding it neither registers nor saves it (the rows are the target's, never the adapter's)."""
 
     def __init__(self, lm_head: GGUFLinear, vocab_ids: torch.Tensor):
-        stored = vocab_ids.cpu() if lm_head.order is None else lm_head.order[vocab_ids.cpu()]
-        bias = None if lm_head.bias is None else lm_head.bias.index_select(0, stored)
-        self.linear = GGUFLinear(lm_head.blocks.index_select(0, stored).contiguous(), lm_head.type_code,
-                                 lm_head.columns, bias)
+        self.linear = lm_head.gathered(vocab_ids)
 
     def __call__(self, normed: torch.Tensor) -> torch.Tensor:
         return self.linear(normed)
@@ -70,8 +68,7 @@ class DraftVocabulary:
         (-inf elsewhere); unchanged without a reduced vocabulary."""
         if self.vocab_ids is None:
             return logits
-        full = logits.new_full((*logits.shape[:-1], self.target.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.vocab_ids.to(logits.device), logits)
+        return widen(logits, self.vocab_ids.to(logits.device), self.target.vocab_size)
 
     def token_ids(self, indices: torch.Tensor) -> torch.Tensor:
         """Map indices into the draft vocabulary to token ids."""

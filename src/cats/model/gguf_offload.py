@@ -19,10 +19,9 @@ import torch
 from cats.errors import InvalidArgumentError
 from cats.model.gguf_model import FileMapping, load_gguf_model
 from cats.model.identity import hf_model_fingerprint
-from cats.model.layered import eos_token_ids
 from cats.model.kernels.gguf_modules import GGUFLinear
-from cats.model.streamed_head import (StreamedHead, draft_rows, draft_vocabulary, draft_vocabulary_size, head_pieces,
-                                      streams)
+from cats.model.layered import eos_token_ids
+from cats.model.streamed_head import StreamedHead, draft_rows, draft_vocabulary, draft_vocabulary_size, head_pieces
 from cats.model.weights.budget import STORE_ALIGNMENT, MemoryNeeds, MemoryPlan
 from cats.model.weights.offload import check_io, default_needs, plan_for, set_parameters
 from cats.model.weights.parts import PartHeader, TensorEntry
@@ -77,8 +76,6 @@ def stream_gguf_layers(hf_model, budget: str | int, needs: MemoryNeeds | None = 
     needs = default_needs(hf_model.config, needs)
     if needs.skip_streamed:  # what the method's skip draft skips streams, where calibrated
         apply_stream_order(needs, hf_model_fingerprint(hf_model), len(layers))
-    if not streams(hf_model.lm_head):
-        needs.head_draft_rows = 0
     plan: MemoryPlan = plan_for(hf_model, budget, needs,
                                 stored_layers=[max(span.data_bytes, size) for span, size in zip(spans, sizes)])
     if plan.parts.embed_rows:  # planned for the rows read: fault in those rows only

@@ -215,8 +215,8 @@ class LayeredModel:
     def draft_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The logits a draft reads out (``[..., V]``): the head's, or while the lm_head streams, those of its
         resident draft-vocabulary rows (-inf for every other token)."""
-        rows = getattr(self.hf_model, "draft_rows", None)
-        if rows is None or not self.head_streamed:
+        rows = getattr(self.hf_model, "draft_rows", None)  # set only where the head streams
+        if rows is None:
             return self.head(hidden)
         logits = rows(self.decoder.norm(hidden))
         if self.softcap:

@@ -5,7 +5,7 @@ under a budget (`cats.draft.layer_skip`, the layers of the model's stream order 
 for every draft token, but it drafts nearly as well from the rows of the lowest token ids (byte-level BPE numbers
 its tokens in merge order, the most frequent first: ids below 32,768 are 93-95 % of Qwen2.5-Coder's greedy answer
 tokens), and more resident layers make it agree more. So where the planner finds it pays
-(`cats.model.weights.budget.skip_draft_rate`), the head streams like a layer: its rows past the draft's, after the
+(`cats.model.weights.skip_rate.skip_draft_rate`), the head streams like a layer: its rows past the draft's, after the
 last decoder layer, in pieces of one stream buffer each, read by the same reader in the same sweep (`LayerStreamer`,
 units numbered after the layers). The draft's rows stay resident as the file stores them, on the same block kernels,
 and verification reads them there. The output is unchanged.
@@ -79,9 +79,14 @@ class DraftRows(nn.Module):
         self.register_buffer("vocab_ids", vocab_ids, persistent=False)
 
     def forward(self, normed: torch.Tensor) -> torch.Tensor:
-        logits = self.rows(normed)
-        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.vocab_ids, logits)
+        return widen(self.rows(normed), self.vocab_ids, self.vocab_size)
+
+
+def widen(logits: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits over a draft vocabulary (``[..., V_d]``, token ids ``vocab_ids``) placed in the whole vocabulary
+    (``[..., V]``): -inf for every other token."""
+    full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    return full.index_copy_(-1, vocab_ids, logits)
 
 
 def head_pieces(head: GGUFLinear, start: int, rows_per_piece: int) -> list[GGUFLinear]:
@@ -95,10 +100,4 @@ def head_pieces(head: GGUFLinear, start: int, rows_per_piece: int) -> list[GGUFL
 
 def draft_rows(head: GGUFLinear, vocab_ids: torch.Tensor) -> DraftRows:
     """A copy of ``head``'s rows of ``vocab_ids``, kept as stored (its leading rows serve the `StreamedHead` too)."""
-    rows = GGUFLinear(head.blocks.index_select(0, vocab_ids).contiguous(), head.type_code, head.columns)
-    return DraftRows(rows, vocab_ids, head.out_features)
-
-
-def streams(head: nn.Module) -> bool:
-    """Whether ``head`` can stream: a GGUF head in its stored row order, without bias."""
-    return isinstance(head, GGUFLinear) and head.order is None and head.bias is None
+    return DraftRows(head.gathered(vocab_ids), vocab_ids, head.out_features)

@@ -83,6 +83,13 @@ class GGUFLinear(GGUFRows):
         out = quantized.linear(hidden, self.blocks, self.type_code, self.columns, self.bias)
         return out if self.order is None else out.index_select(-1, self.order)
 
+    def gathered(self, index: torch.Tensor) -> "GGUFLinear":
+        """A copy of rows ``index`` (in the model's order) as the file stores them, on the same kernels: row i of
+        the copy is row ``index[i]``."""
+        stored = index.cpu() if self.order is None else self.order[index.cpu()]
+        bias = None if self.bias is None else self.bias.index_select(0, stored)
+        return GGUFLinear(self.blocks.index_select(0, stored).contiguous(), self.type_code, self.columns, bias)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, type={self.type_name}"
 

@@ -26,7 +26,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from cats.errors import InvalidArgumentError
-from cats.model.kernels.gguf_modules import GGUFRows
+from cats.model.kernels.gguf_modules import GGUFLinear, GGUFRows
 from cats.model.weights.skip_rate import skip_draft_rate
 
 KIB, MIB, GIB, TIB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
@@ -46,7 +46,7 @@ DEFAULT_PREFETCH = 2
 # that left 1-4 MiB of the limit unplanned took 660-3,600 major faults, one that left 13 MiB up to 880, and 23-26
 # MiB 160-180 (most of them while loading).
 LIBRARY_PAGES = 32 << 20
-END_ROWS = 8  # draft-vocabulary rows planned for end-of-sequence ids (`cats.model.streamed_head.END_ROWS`)
+END_ROWS = 8  # draft-vocabulary rows planned for end-of-sequence ids above its lowest ids (`cats.model.streamed_head`)
 STORE_ALIGNMENT = 4096  # layer files and stream buffers are aligned to this (O_DIRECT needs it)
 
 
@@ -120,6 +120,8 @@ class PartSizes:
     weight_bytes: int | None = None  # the model's weight bytes where ``embed`` counts less than the whole table
     embed_rows: bool = False  # ``embed`` is the rows a context reads of a table that stays in the mapped file
     head_row_bytes: int = 0  # one lm_head row as the model holds it (a reduced draft vocabulary gathers such rows)
+    head_streams: bool = False  # the lm_head can stream under a plan: an untied head on GGUF blocks, in its stored row
+    # order and without bias (`cats.model.streamed_head`)
     stored_layers: list[int] | None = None  # each layer's bytes as streaming reads them where that differs from its
     # size: a layer store's quantised blocks (`cats.model.weights.blocks`, fewer), a GGUF file's span of the layer
     # (aligned: a little more); None: the layers' own sizes
@@ -140,8 +142,10 @@ class PartSizes:
         else:
             tied = head.weight is embed.weight
         row = head.blocks[0] if isinstance(head, GGUFRows) else head.weight[0]
+        streams = not tied and isinstance(head, GGUFLinear) and head.order is None and head.bias is None
         return cls(embed=size(decoder.embed_tokens), norm=size(decoder.norm),
                    lm_head=0 if tied else size(hf_model.lm_head), head_row_bytes=row.numel() * row.element_size(),
+                   head_streams=streams,
                    layers=[size(layer) for layer in decoder.layers[: hf_model.config.num_hidden_layers]])
 
     @property
@@ -442,20 +446,20 @@ def plan_memory(budget: int, parts: PartSizes, needs: MemoryNeeds, kv_bytes: int
     Layers stored as quantised blocks are read through two buffers (one read ahead while the other decodes), or
     through one when the budget cannot hold the minimum with two.
 
-    With ``needs.head_draft_rows`` (a skip draft over a stream order, on an untied head) the plan with the lm_head
+    With ``needs.head_draft_rows`` (a skip draft over a stream order) on a head that streams (``parts.head_streams``)
+    the plan with the lm_head
     streamed is made too, and the one `skip_draft_rate` rates higher is kept: the head's bytes then hold more
     layers, so the skip draft skips fewer and agrees more, for the head's read on every pass."""
     needs.validate(len(parts.layers))
-    variants = (False, True) if needs.head_draft_rows and parts.lm_head and needs.stream_order else (False,)
+    variants = (False, True) if needs.head_draft_rows and parts.head_streams and needs.stream_order else (False,)
     fitted = {head: _fit(budget, parts, needs, kv_bytes, activation, head) for head in variants}
     minimum = min(_lowest(parts, needs, kv_bytes, activation, head).planned_bytes for head in variants)
-    plans = [plan for plan in fitted.values() if plan is not None]
-    if plans:
-        chosen = plans[0]
-        kept, streaming = fitted[False], fitted.get(True)
-        if streaming is not None and (kept is None or (
-                kept.streamed and skip_draft_rate(streaming) > skip_draft_rate(kept))):
-            chosen = streaming
+    kept, streaming = fitted[False], fitted.get(True)
+    chosen = kept
+    if streaming is not None and (kept is None or (
+            kept.streamed and skip_draft_rate(streaming) > skip_draft_rate(kept))):
+        chosen = streaming
+    if chosen is not None:
         chosen.minimum = minimum
         return chosen
     lowest = _lowest(parts, needs, kv_bytes, activation, False)
@@ -475,13 +479,13 @@ def _lowest(parts: PartSizes, needs: MemoryNeeds, kv_bytes: int, activation: int
 
 def _fit(budget: int, parts: PartSizes, needs: MemoryNeeds, kv_bytes: int, activation: int,
          head_streamed: bool) -> MemoryPlan | None:
-    """The plan with the most layers resident that fits ``budget`` (two block read buffers, else one), or None. With
-    the head streamed at least one layer streams too (a skip draft that skips none is the model itself)."""
+    """The plan with the most layers resident that fits ``budget`` (two block read buffers, else one), or None; its
+    ``minimum`` is set by `plan_memory`. With the head streamed at least one layer streams too (a skip draft that
+    skips none is the model itself)."""
     num_layers, floor = len(parts.layers), needs.min_resident_layers
     most = num_layers - 1 if head_streamed else num_layers
     for read_buffers in (2, 1):
         base = MemoryPlan(budget, parts, needs, kv_bytes, activation, num_layers, 0, 0, 0, read_buffers, head_streamed)
-        base.minimum = min(base.with_resident(resident).planned_bytes for resident in range(floor, num_layers + 1))
         for resident in range(most, floor - 1, -1):
             if base.with_resident(resident).planned_bytes <= budget:
                 return base.with_resident(resident)

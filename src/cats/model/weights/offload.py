@@ -186,7 +186,6 @@ def load_under_budget(folder: str | Path, config, dtype: torch.dtype, budget: st
     needs = default_needs(config, needs)
     if needs.skip_streamed:  # what the method's skip draft skips streams, where calibrated
         apply_stream_order(needs, checkpoint_fingerprint(folder, hf_model, dtype), config.num_hidden_layers)
-    needs.head_draft_rows = 0  # float weights: the lm_head stays resident (only a GGUF head streams)
     blocks = GGUFBlocks.of_checkpoint(folder, dtype)
     plan = plan_for(hf_model, budget, needs, stored_layers=_stored_estimate(hf_model, blocks))
     store = checkpoint_store(folder, hf_model, dtype, layer_store, blocks)
@@ -261,7 +260,6 @@ def offload_model(model, budget: str | int, needs: MemoryNeeds | None = None, io
     needs = default_needs(model.config, needs)
     if needs.skip_streamed:  # what the method's skip draft skips streams, where calibrated
         apply_stream_order(needs, model_fingerprint(model), model.num_layers)
-    needs.head_draft_rows = 0  # the lm_head stays resident (only a GGUF head on its blocks streams)
     plan = plan_for(hf_model, budget, needs)
     modules = part_modules(hf_model)
     parts = {part: sum(p.numel() * p.element_size() for p in module.parameters()) for part, (_, module) in modules.items()}
