@@ -117,6 +117,10 @@ def test_memory_needs_per_method(tmp_path):
     # dytc drafts from lookup and recycling where layers stream, and skips the streamed layers where calibrated
     dytc = memory_needs(config, dtype, "dytc")
     assert dytc.min_resident_layers == 1 and dytc.max_tree_tokens == 16 + 16 + 1  # a lookup chain on a recycling tree
+    assert dytc.pass_sizes == (8 + 1, 16 + 1, 16 + 16 + 1)  # left to the budget: a skip chain, the tree, both
+    assert dytc.drafter_bytes == memory_needs(config, dtype, "recycle").drafter_bytes == config.vocab_size * 8 * 4
+    assert memory_needs(config, dtype, "pld").drafter_bytes == 0  # token recycling's table: int32, 8 per token id
+    assert memory_needs(config, dtype, "dytc", DraftConfig(num_draft_tokens=20)).pass_sizes == (21, 33)
     assert dytc.skip_streamed and not memory_needs(config, dtype, "pld").skip_streamed
     skip = memory_needs(config, dtype, "layer-skip", DraftConfig(num_draft_tokens=3))
     assert (skip.min_resident_layers, skip.max_tree_tokens, skip.skip_streamed) == (1, 4, True)

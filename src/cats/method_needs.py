@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cats.config import DraftConfig
-from cats.draft.dytc.build import LOOKUP_TOKENS as DYTC_LOOKUP_TOKENS
-from cats.draft.dytc.build import RECYCLE_TOKENS as DYTC_RECYCLE_TOKENS
+from cats.draft.dytc.build import pass_sizes as dytc_pass_sizes
 from cats.draft.eagle import TOTAL_TOKENS as EAGLE_TOKENS
 from cats.draft.layer_skip.drafter import NUM_TOKENS as LAYER_SKIP_TOKENS
 from cats.draft.recycle import TOTAL_TOKENS as RECYCLE_TOKENS
+from cats.draft.recycle import table_bytes as recycle_table_bytes
 from cats.draft.sizing import BUCKETS, pass_tokens
 from cats.model.adapter import find_adapter, find_draft_adapter, read_adapter_config
 from cats.model.eagle3 import find_eagle3_folder
@@ -84,6 +84,7 @@ def pld_needs(needs, config, held, d):
 
 def recycle_needs(needs, config, held, d):  # drafts from its table: no layer must stay resident
     needs.max_tree_tokens = (d.total_tokens or RECYCLE_TOKENS) + 1
+    needs.drafter_bytes = recycle_table_bytes(config.vocab_size)
 
 
 def eagle_needs(needs, config, held, d):  # drafts from the final features: no target layer must stay
@@ -170,11 +171,13 @@ def dytc_needs(needs, config, held, d):  # under a budget, layer skipping skips 
     layers = [] if head else _adapter_needs(needs, config, held, d)
     needs.min_resident_layers = _draft_layers(layers, config, d) if layers else 1  # layer 0 times its cost model
     needs.skip_streamed = True  # its layer-skip drafter skips what streams, where the model has a stream order
+    needs.drafter_bytes = recycle_table_bytes(config.vocab_size)  # token recycling, one of its options
     _streamed_head_needs(needs, config, LAYER_SKIP_TOKENS)
     if d.total_tokens is not None:
         needs.max_tree_tokens = d.total_tokens + 1
-    elif d.adapters is None:  # lookup and recycling: their largest pass, a lookup chain grafted on a recycling tree
-        needs.max_tree_tokens = DYTC_LOOKUP_TOKENS + DYTC_RECYCLE_TOKENS + 1
+    elif d.adapters is None:  # the skip chain, the recycling tree, the lookup chain grafted on it: left to the budget
+        needs.pass_sizes = dytc_pass_sizes(d.num_draft_tokens)
+        needs.max_tree_tokens = max(needs.pass_sizes)
     else:
         _speculation_needs(needs, "tree")
 

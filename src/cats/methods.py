@@ -185,7 +185,9 @@ def _dytc(model, d: DraftConfig, threshold, progress):
                      max_ngram=d.max_ngram, num_tokens=d.num_draft_tokens,
                      tree_topk=bucket.tree_topk if d.tree_topk is None else d.tree_topk,
                      total_tokens=bucket.total_tokens if d.total_tokens is None else d.total_tokens,
-                     depth=bucket.depth if d.depth is None else d.depth, streamed_skip=streamed, progress=progress)
+                     depth=bucket.depth if d.depth is None else d.depth, streamed_skip=streamed,
+                     max_pass_tokens=model.memory_plan.needs.max_tree_tokens if model.memory_plan else None,
+                     progress=progress)
 
 
 def _dytc_free(model, d: DraftConfig, threshold, progress):

@@ -32,6 +32,11 @@ TOTAL_TOKENS, DEPTH = 16, 6  # default tree: verifying 16 nodes costs ~1.25 forw
 RANK_PRIOR = (0.45, 0.15, 0.08, 0.05, 0.035, 0.025, 0.02, 0.015)
 
 
+def table_bytes(vocab_size: int, candidates: int = CANDIDATES) -> int:
+    """Bytes of the drafter's table (``[vocab_size, candidates]`` int32), which a memory budget must hold."""
+    return vocab_size * candidates * np.dtype(np.int32).itemsize
+
+
 class TreeTemplate:
     """The ``total_tokens`` rank paths (tuples of candidate ranks from x down) of highest prior probability, at most
     ``depth`` deep, in breadth-first order; ancestor-closed (a child's probability never exceeds its parent's)."""

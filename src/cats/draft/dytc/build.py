@@ -23,6 +23,7 @@ LOOKUP_TOKENS = 16  # prompt lookup's continuation, drafted every step; the hind
 # (replaying records of 128 Spec-Bench questions outside the evaluation set: 16 tokens gave 1.13x `pld`'s mean speed
 # where 10, `pld`'s own length, gave 1.06x: loops and long copies go on past 10 tokens)
 RECYCLE_TOKENS = max(TREE_SIZES)  # token recycling's template in DyTC; each step verifies the cut that pays
+MODEL_TOKENS = 8  # a model drafter's longest chain (``num_tokens``' default)
 RECYCLE_PRIOR = 0.5  # its per-token prior along the best path (optimistic, as for prompt lookup: measurement decides)
 
 
@@ -35,10 +36,19 @@ def draft_cost(model, layer_fraction: float) -> float:
     return (layer_fraction * layers + head) / (layers + head)
 
 
+def pass_sizes(num_tokens: int | None = None) -> tuple[int, ...]:
+    """The verification passes (tokens, x included) an adapter-free DyTC is planned for under a memory budget,
+    smallest first: a model drafter's longest chain, the whole recycling tree, and that tree with the whole lookup
+    chain grafted in. The plan reserves the largest whose activations cost no resident layer
+    (`cats.model.weights.offload.plan_for`), and the scheduler drafts within it (``max_pass_tokens``)."""
+    chain = (num_tokens or MODEL_TOKENS) + 1
+    return tuple(sorted({chain, max(chain, RECYCLE_TOKENS + 1), max(chain, LOOKUP_TOKENS + RECYCLE_TOKENS + 1)}))
+
+
 def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max_ngram: int = 3,
               num_tokens: int | None = None, lookahead_tokens: int = 4, tree_topk: int = 4, total_tokens: int = 16,
               depth: int = 5, feature_adapter=None, recycle: bool = True, streamed_skip=None,
-              progress: bool = True) -> DyTCDrafter:
+              max_pass_tokens: int | None = None, progress: bool = True) -> DyTCDrafter:
     """The training-free hierarchy of CAS-Spec plus, optionally, a trained draft adapter:
 
     * prompt lookup (up to `LOOKUP_TOKENS` tokens, the scheduler picks how many to verify), also the bottom
@@ -58,10 +68,11 @@ def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max
     * or, with ``feature_adapter``, feature drafting (method ``eagle``): chains (``eagle-chain``) and trees
       (``eagle``), one drafter behind both.
 
-    Model drafters draft up to ``num_tokens`` (default 8) tokens. Priors: a layer-skip drafter's calibrated
+    Model drafters draft up to ``num_tokens`` (default 8) tokens; no pass holds more than ``max_pass_tokens`` (under a
+    budget: the pass the plan reserved). Priors: a layer-skip drafter's calibrated
     agreement, the adapter's held-out agreement (0.6 if unknown); costs from the share of the weights a draft token
     runs through (`draft_cost`)."""
-    limit = num_tokens or 8
+    limit = num_tokens or MODEL_TOKENS
     if limit < 1:
         raise InvalidArgumentError(f"dytc needs num_tokens >= 1, got {limit}")
     lookup = PromptLookupDrafter(num_tokens=LOOKUP_TOKENS, max_ngram=max_ngram)
@@ -115,7 +126,9 @@ def make_dytc(model, sparsities: Sequence[float] = (0.4, 0.6), adapter=None, max
     # from disk, the read time or the compute, whichever is longer (measuring whole forwards would stream every layer
     # 30 times)
     shape = measured_shape(model) if getattr(model, "weights", None) is None else streamed_shape(model)
-    return DyTCDrafter(options, lookup=lookup, lookahead_tokens=lookahead_tokens, features=core, verify_shape=shape)
+    return DyTCDrafter(options, lookup=lookup, lookahead_tokens=lookahead_tokens, features=core, verify_shape=shape,
+                       max_pass_tokens=max_pass_tokens)
 
 
-__all__ = ["LOOKUP_TOKENS", "PLD_COST", "RECYCLE_PRIOR", "RECYCLE_TOKENS", "draft_cost", "make_dytc"]
+__all__ = ["LOOKUP_TOKENS", "MODEL_TOKENS", "PLD_COST", "RECYCLE_PRIOR", "RECYCLE_TOKENS", "draft_cost", "make_dytc",
+           "pass_sizes"]

@@ -13,6 +13,7 @@ from cats.draft.prompt_lookup import LookupMatch
 
 DECAY, WINDOW = 0.7, 20  # CAS-Spec's acceptance moving average
 FORGETTING = 0.98  # latency fits
+LONG_DECAY = 0.99  # per step: a drafter's long-run acceptance (`AcceptanceEstimate`)
 # prompt-lookup acceptance before any observation, by matched n-gram length. Optimistic on purpose: a prior under
 # which prompt lookup never beats plain decoding is never measured (1-gram matches at 0.3 were never tried on
 # Spec-Bench, while their measured rate, where used, was ~0.5)
@@ -73,15 +74,61 @@ class WindowedAverage:
         return len(self._recent(step))
 
 
-class AcceptanceEstimate(WindowedAverage):
-    """Per-token acceptance alpha of one drafter: each step adds its accepted tokens over its trials."""
+class AcceptanceEstimate:
+    """Per-token acceptance alpha of one drafter, on two time scales. Each step it drafted adds its accepted tokens
+    over its trials (accepted + 1 if a drafted token was rejected).
+
+    * Recent: the steps of the last ``window`` steps, weighted ``decay ** age`` by their age in *steps* (CAS-Spec's
+      moving average where the drafter drafts every step);
+    * long-run: every step it drafted, weighted ``LONG_DECAY ** age``, with the prior as one trial.
+
+    The estimate is the recent ratio with the long-run rate as one more trial. While the drafter drafts, the recent
+    steps decide; when a run of rejections benches it, its recent steps fade with every step it is not chosen and the
+    estimate returns to what it usually accepts, so it is tried again within a few steps rather than after the
+    whole window. A drafter that usually fails stays benched: its long-run rate is low. (On a simulated target where
+    a drafter accepting half its tokens always pays, CAS-Spec's average alone benched it on 22-44 % of the steps, this
+    one on none: `tests/test_dytc.py`.)"""
+
+    def __init__(self, prior: float, decay: float = DECAY, window: int = WINDOW):
+        self.prior, self.decay, self.window = prior, decay, window
+        self.history: deque[tuple[int, float, float]] = deque()  # (step, accepted, trials)
+        self.long_accepted = self.long_trials = 0.0  # weighted as of step `long_step`
+        self.long_step = 0
+
+    def _age_long(self, step: int) -> None:
+        if step > self.long_step:
+            factor = LONG_DECAY ** (step - self.long_step)
+            self.long_accepted, self.long_trials, self.long_step = (self.long_accepted * factor,
+                                                                    self.long_trials * factor, step)
 
     def observe_step(self, step: int, accepted: int, drafted: int) -> None:
-        if drafted > 0:
-            self.observe(step, float(accepted), float(accepted + (1 if accepted < drafted else 0)))
+        if drafted <= 0:
+            return
+        trials = float(accepted + (1 if accepted < drafted else 0))
+        self.history.append((step, float(accepted), trials))
+        self._age_long(step)
+        self.long_accepted += accepted
+        self.long_trials += trials
+
+    def long_run(self, step: int) -> float:
+        """The long-run rate: every observation weighted by its age, the prior as one trial."""
+        self._age_long(step)
+        return (self.long_accepted + self.prior) / (self.long_trials + 1.0)
+
+    def count(self, step: int) -> int:
+        """Steps of the window that the drafter drafted."""
+        while self.history and self.history[0][0] <= step - self.window:
+            self.history.popleft()
+        return len(self.history)
 
     def value(self, step: int) -> float:
-        return min(self.ratio(step), MAX_ALPHA)
+        self.count(step)  # drops the steps past the window
+        numerator, denominator = self.long_run(step), 1.0
+        for observed, accepted, trials in self.history:
+            weight = self.decay ** (step - observed)
+            numerator += weight * accepted
+            denominator += weight * trials
+        return min(numerator / denominator, MAX_ALPHA)
 
 
 class LatencyModel:
@@ -128,5 +175,5 @@ class LatencyModel:
         return None if self.scale is None else [float(c * self.scale) for c in self.theta]
 
 
-__all__ = ["DECAY", "FORGETTING", "MATCH_CLASSES", "MAX_ALPHA", "PLD_PRIORS", "WINDOW", "AcceptanceEstimate",
+__all__ = ["DECAY", "FORGETTING", "LONG_DECAY", "MATCH_CLASSES", "MAX_ALPHA", "PLD_PRIORS", "WINDOW", "AcceptanceEstimate",
            "LatencyModel", "WindowedAverage", "expected_accepted", "match_class"]

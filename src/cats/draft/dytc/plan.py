@@ -34,6 +34,12 @@ class FreeDrafts:
         tokens[0] = 1 + np.arange(chain_tokens + 1)
         return cls(ngram, tokens)
 
+    def within(self, max_pass_tokens: int | None) -> "FreeDrafts":
+        """These drafts with every cut of more than ``max_pass_tokens`` tokens unavailable (None: all kept)."""
+        if max_pass_tokens is not None:
+            self.tokens[self.tokens > max_pass_tokens] = -1
+        return self
+
     @classmethod
     def of(cls, tree: Proposal, priority: list[int], chain: list[int], ngram: int) -> "FreeDrafts":
         free = cls.chain_only(len(chain), ngram)
@@ -114,6 +120,11 @@ class Planner:
     def _verify_time(self, n: int) -> float:
         return float(self._verify_curve(n)[max(n, 1)])
 
+    def _fits(self, option) -> bool:
+        """Whether ``option`` can draft within the planned pass: a tree's nodes and x must fit it whole (a chain is
+        cut to it)."""
+        return not option.tree or self.max_pass_tokens is None or option.max_tokens < self.max_pass_tokens
+
     def rate(self, key: str, k: int, alpha: float, lookahead: float = 0.0) -> float:
         """Expected tokens per predicted second of drafting ``k`` tokens with ``key`` (see `cats.draft.dytc.scheduler`)."""
         return self._best_length(key, k, alpha, lookahead, only=k)[1]
@@ -156,17 +167,17 @@ class Planner:
             return NONE, 0, 0  # a flat prior is optimistic for more tokens, not for fewer: measure one token
         if self.verify_cost.ready:
             for key, option in self.options.items():  # try every model drafter once, so its cost is measured
-                if not option.hindsight and not self.draft_latency[key].ready and min(option.max_tokens,
-                                                                                     max_tokens) >= 1:
+                if (not option.hindsight and not self.draft_latency[key].ready and self._fits(option)
+                        and min(option.max_tokens, max_tokens) >= 1):
                     return key, option.max_tokens if option.tree else min(2, option.max_tokens, max_tokens), 0
         if free is None:
-            free = FreeDrafts.chain_only(min(lookup_tokens, max_tokens), ngram)
+            free = FreeDrafts.chain_only(min(lookup_tokens, max_tokens), ngram).within(self.max_pass_tokens)
         key, k, graft_tokens, best = self._free_plan(free)
         choice = (key, k, graft_tokens)
         lookahead = self.lookahead_yield.ratio(self.step) if self.lookahead_tokens else 0.0
         for key, option in self.options.items():
             limit = min(option.max_tokens, max_tokens)
-            if limit <= 0 or option.hindsight:
+            if limit <= 0 or option.hindsight or not self._fits(option):
                 continue
             if option.tree:
                 k = option.max_tokens  # its node count (the budget only limits its depth)

@@ -22,8 +22,9 @@ def scheduler_counters(scheduler) -> dict:
                       "accepted": counts["lookahead_accepted"]},
         "hindsight_scored": counts["hindsight"],
         "estimates": {
-            "acceptance": {key: round(est.value(scheduler.step), 4) for key, est in scheduler.acceptance.items()},
-            "pld_acceptance": {str(n): round(est.value(scheduler.step), 4)
+            # per token: the long-run rates (the last steps' estimate, which the choice reads, swings step to step)
+            "acceptance": {key: round(est.long_run(scheduler.step), 4) for key, est in scheduler.acceptance.items()},
+            "pld_acceptance": {str(n): round(est.long_run(scheduler.step), 4)
                                for n, est in sorted(scheduler.pld_acceptance.items())},
             "near_free_yield": near_free_report(scheduler),
             "lookahead_yield": round(scheduler.lookahead_yield.ratio(scheduler.step), 4),

@@ -24,11 +24,13 @@ Estimates (all online):
   was drafted), so every step adds a record for every cut, chosen or not; up to 200 records of the last 500 steps per
   match class, weighted 0.98^age, give the expected accepted tokens of every (m, k);
 * acceptance of model drafters: per drafter a per-token acceptance rate alpha, an exponential moving average with
-  decay lambda = 0.7 over the observations of the last 20 decode steps (CAS-Spec's settings). Each step contributes
+  decay lambda = 0.7 per step over the last 20 decode steps (CAS-Spec's settings). Each step it drafted contributes
   its accepted tokens and its trials (accepted + 1 if a drafted token was rejected): the weighted geometric-model
-  estimate. The prior (layer skip: the calibrated agreement; an adapter: its held-out agreement) enters as one
-  pseudo-observation older than all others, and is all that is left when a drafter went unused for 20 steps: a
-  drafter with a good prior is tried again then (exploration). Model trees track their accepted tokens per step;
+  estimate. Its long-run rate (every step it drafted, decay 0.99 per step; the prior, layer skip's calibrated
+  agreement or an adapter's held-out agreement, as one trial) enters as one more trial, and is what is left as the
+  recent steps fade on steps it is not chosen: a drafter benched by a run of rejections is tried again within a few
+  steps if it usually does well, and stays benched if it usually fails (`cats.draft.dytc.estimates.AcceptanceEstimate`).
+  Model trees track their accepted tokens per step;
 * latency: the target forward over n tokens after T cached ones (`cats.draft.dytc.cost`): its shape in n is
   measured once when the drafter is made (a forward over 1..32 tokens; on CPUs a few tokens cost about what one
   does, then each adds compute), and scaled online by recursive least squares with forgetting 0.98, with an
@@ -131,6 +133,9 @@ class DyTCDrafter(Drafter, Planner):
         clock: a monotonic clock in seconds (tests pass a fake one).
         verify_shape: the measured cost of a target forward over 1..n tokens (`cats.draft.dytc.cost.measure_shape`;
             None: flat until measured online).
+        max_pass_tokens: the most tokens one verification pass may hold, x included (None: no limit): under a memory
+            budget, the pass whose activations the plan reserved (`cats.model.weights.offload.plan_for`); no cut,
+            chain, look-ahead or tree is drafted past it.
     """
 
     name = "dytc"
@@ -139,7 +144,7 @@ class DyTCDrafter(Drafter, Planner):
                  lookahead_tokens: int = 4, decay: float = DECAY, window: int = WINDOW,
                  forgetting: float = FORGETTING, clock: Callable[[], float] = time.perf_counter, features=None,
                  yield_decay: float = YIELD_DECAY, yield_window: int = YIELD_WINDOW,
-                 verify_shape: CostShape | None = None):
+                 verify_shape: CostShape | None = None, max_pass_tokens: int | None = None):
         if not options and lookup is None:
             raise InvalidArgumentError("DyTC needs at least one drafter (prompt lookup or a model drafter)")
         keys = [option.key for option in options]
@@ -148,6 +153,8 @@ class DyTCDrafter(Drafter, Planner):
         if lookahead_tokens < 0 or not 0 < decay < 1 or window < 1 or not 0 < forgetting <= 1:
             raise InvalidArgumentError("DyTC needs lookahead_tokens >= 0, 0 < decay < 1, window >= 1, "
                                        "0 < forgetting <= 1")
+        if max_pass_tokens is not None and max_pass_tokens < 1:
+            raise InvalidArgumentError(f"DyTC needs max_pass_tokens >= 1 (x alone), got {max_pass_tokens}")
         if not 0 < yield_decay <= 1 or yield_window < 1:
             raise InvalidArgumentError("DyTC needs 0 < yield_decay <= 1 and yield_window >= 1")
         for option in options:
@@ -174,6 +181,7 @@ class DyTCDrafter(Drafter, Planner):
         self.recycle = free_trees[0] if free_trees else None  # the near-free tree option
         self.lookup, self.lookahead_tokens = lookup, lookahead_tokens if lookup is not None else 0
         self.decay, self.window, self.clock = decay, window, clock
+        self.max_pass_tokens = max_pass_tokens
         self.synced = with_cache[0].drafter if with_cache else None  # the adapter drafter kept in sync
         self.cache_layers = self.synced.cache_layers if self.synced else features.cache_layers if features else 0
         self.prefill_layers = tuple(sorted({layer for o in options for layer in o.drafter.prefill_layers}
@@ -216,6 +224,8 @@ class DyTCDrafter(Drafter, Planner):
             self._begin(state)
         self.step += 1
         self._context = state.committed_length
+        if self.max_pass_tokens is not None:  # chains, trees' depth, the look-ahead: within the planned pass
+            max_tokens = min(max_tokens, self.max_pass_tokens - 1)
         tokens = self._token_array(state)
         found, ngram = np.empty(0, dtype=np.int64), 0  # looked up every step (the choice needs it): not a draft cost
         if self.lookup is not None and max_tokens > 0:
@@ -228,7 +238,7 @@ class DyTCDrafter(Drafter, Planner):
         if self.recycle is not None and max_tokens > 0:  # drafted every step (near-free), scored in hindsight
             tree, priority = self.recycle.drafter.propose_ranked(deterministic, max_tokens)
         chain = found.tolist()
-        free = FreeDrafts.of(tree, priority, chain, ngram)
+        free = FreeDrafts.of(tree, priority, chain, ngram).within(self.max_pass_tokens)
         if tree.num_tokens or chain:
             self._records.append(HindsightRecord(ngram, len(state.token_ids), tree.tokens.tolist(),
                                                  tree.parents.tolist() if tree.num_tokens else [], priority, chain))
@@ -401,6 +411,7 @@ class DyTCDrafter(Drafter, Planner):
     def describe(self) -> dict:
         return {"name": self.name, "decay": self.decay, "window": self.window, "lookahead_tokens": self.lookahead_tokens,
                 "lookup": self.lookup.describe() if self.lookup is not None else None,
+                "max_pass_tokens": self.max_pass_tokens,
                 "options": {key: {"max_tokens": o.max_tokens, "prior_acceptance": round(o.prior_acceptance, 4),
                                   "prior_cost": round(o.prior_cost, 4), "drafter": o.drafter.describe()}
                             for key, o in self.options.items()}}

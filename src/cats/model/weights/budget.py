@@ -176,6 +176,7 @@ class MemoryNeeds:
     min_resident_layers: int = 0  # layers [0, L_d) that every draft step runs stay resident
     shallow_layers: int = 0  # L_sv of the cascade: kept resident when they fit, else they stream (see describe)
     adapter_bytes: int = 0  # draft / shallow adapters' blocks and norms
+    drafter_bytes: int = 0  # drafters' own tables (token recycling's candidates per token id)
     head_rows: int = 0  # lm_head rows the adapters' reduced draft vocabularies gather (each kept as the head holds it,
     # with its token id)
     max_tree_tokens: int = 1  # tokens verified in one pass (activations are reserved for this many)
@@ -329,7 +330,7 @@ class MemoryPlan:
     def planned_bytes(self) -> int:
         head = self.draft_rows_bytes - self.parts.lm_head if self.head_streamed else 0
         return (self.needs.runtime_bytes + self.needs.library_pages_bytes + self.parts.always_resident + head
-                + self.adapter_bytes + self.kv_bytes
+                + self.adapter_bytes + self.needs.drafter_bytes + self.kv_bytes
                 + self.activation_bytes
                 + self.resident_layer_bytes + self.pool_bytes)
 
@@ -365,8 +366,10 @@ class MemoryPlan:
             rows.append((f"lm_head rows of the draft vocabulary ({self.needs.head_draft_rows})", self.draft_rows_bytes))
         elif parts.lm_head:
             rows.append(("lm_head", parts.lm_head))
-        rows += [("final norm", parts.norm), ("adapters", self.adapter_bytes),
-                 (f"KV cache ({self.needs.context_tokens} + {self.needs.max_tree_tokens} tokens)", self.kv_bytes),
+        rows += [("final norm", parts.norm), ("adapters", self.adapter_bytes)]
+        if self.needs.drafter_bytes:
+            rows.append(("drafter tables", self.needs.drafter_bytes))
+        rows += [(f"KV cache ({self.needs.context_tokens} + {self.needs.max_tree_tokens} tokens)", self.kv_bytes),
                  (f"activations ({self.needs.max_tree_tokens}-token pass)", self.activation_bytes),
                  (f"resident layers {layer_ranges(self.resident)}", self.resident_layer_bytes)]
         if self.pool_slots:
