@@ -89,6 +89,19 @@ def hf_greedy(model: LayeredModel, prompt_ids: list[int], max_new_tokens: int) -
     return out[0, len(prompt_ids):].tolist()
 
 
+def proposal_sizes(drafter) -> list[int]:
+    """The token count of every proposal ``drafter`` makes from now on (its ``propose`` wrapped in place)."""
+    sizes, propose = [], drafter.propose
+
+    def recorded(state, max_tokens):
+        proposal = propose(state, max_tokens)
+        sizes.append(proposal.num_tokens)
+        return proposal
+
+    drafter.propose = recorded
+    return sizes
+
+
 def assert_drafters_reproduce_plain_decoding(model: LayeredModel, prompt_ids: list[int], max_new_tokens: int = 24):
     """Prompt lookup, early exit at layer 1 and a small dynamic tree each give plain greedy decoding's tokens."""
     from cats.draft import EarlyExitDrafter, PromptLookupDrafter, TreeDrafter

@@ -23,7 +23,7 @@ from cats.draft.prompt_lookup import LookupMatch
 from cats.errors import InvalidArgumentError
 from cats.config import GenerationConfig
 from cats.loop.generator import Generator
-from tests.conftest import FAMILIES, VOCAB, hf_greedy, tiny_model
+from tests.conftest import FAMILIES, VOCAB, hf_greedy, proposal_sizes, tiny_model
 from cats.config import DraftConfig
 
 
@@ -386,14 +386,7 @@ def test_no_pass_holds_more_than_the_plan_reserved():
     dytc = DyTCDrafter([DraftOption("chain", chain, 8, prior_acceptance=0.95, prior_cost=0.01),
                         DraftOption("tree", tree, 8, prior_acceptance=0.99, prior_cost=0.0, tree=True)],
                        lookup=PromptLookupDrafter(num_tokens=8), lookahead_tokens=4, clock=clock, max_pass_tokens=4)
-    sizes, propose = [], dytc.propose
-
-    def recorded(state, max_tokens):
-        proposal = propose(state, max_tokens)
-        sizes.append(proposal.num_tokens)
-        return proposal
-
-    dytc.propose = recorded
+    sizes = proposal_sizes(dytc)
     chosen = simulate(dytc, clock, {"chain": 0.95, "pld": 0.9}, steps=60, context=list(range(100, 120)) * 3)
     assert max(sizes) == 3 and max(k for key, k, *_ in chosen if key == "chain") == 3  # x and 3 drafts at most
     assert tree.calls == 0  # its 8 nodes and x never fit a 4-token pass

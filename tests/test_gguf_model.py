@@ -27,7 +27,7 @@ from cats.model.kernels.gguf_modules import (STORED_FLOAT_TYPES, GGUFEmbedding, 
 from cats.model.source import gguf_metadata
 from cats.model.weights.rss import page_cache_bytes
 from cats.prompts import encode_prompt
-from tests.conftest import SMOLLM2, STORIES_GGUF, STORIES_HF, needs, tiny_config, whole_layer_calls
+from tests.conftest import SMOLLM2, STORIES_GGUF, STORIES_HF, needs, proposal_sizes, tiny_config, whole_layer_calls
 
 pytestmark = pytest.mark.skipif(quantized.unavailable() is not None, reason=f"kernels: {quantized.unavailable()}")
 SMOLLM2_FILE = SMOLLM2 / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -177,14 +177,7 @@ def test_speculation_reproduces_plain_decoding_on_each_kernel_path(smollm2_block
         plain = Generator(smollm2_blocks).generate(prompt, GenerationConfig(max_new_tokens=32)).token_ids
         recycle = TokenRecyclingDrafter(smollm2_blocks.vocab_size, total_tokens=80, depth=8)  # verifications of
         # up to 81 tokens: beyond the kernels' 64 queries a call, so run in chunks
-        sizes, propose = [], recycle.propose
-
-        def recorded(state, most):
-            proposal = propose(state, most)
-            sizes.append(proposal.num_tokens)
-            return proposal
-
-        recycle.propose = recorded
+        sizes = proposal_sizes(recycle)
         for drafter in (PromptLookupDrafter(num_tokens=6), TreeDrafter(smollm2_blocks, layer=8, tree_topk=3,
                                                                         total_tokens=9, depth=3), recycle):
             speculative = Generator(smollm2_blocks, drafter).generate(prompt, GenerationConfig(max_new_tokens=32))
