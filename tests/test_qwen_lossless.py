@@ -21,7 +21,7 @@ from cats.methods import make_drafter
 from cats.model.adapter import new_adapter
 from cats.prompts import encode_prompt
 from cats.verify.cascade import CascadeScorer
-from tests.conftest import SHARED
+from tests.conftest import SHARED, proposal_sizes
 
 pytestmark = pytest.mark.slow
 GET_MODEL = SHARED / "tools" / "get-model"
@@ -99,9 +99,14 @@ def test_qwen_under_a_budget_drafts_from_its_resident_layers_exactly(qwen, refer
     assert plan.needs.stream_order and plan.streamed == tuple(sorted(plan.needs.stream_order[: len(plan.streamed)]))
     assert 0 < len(plan.streamed) < 28 and plan.streamed != tuple(range(plan.resident_layers, 28))
     assert plan.head_streamed and plan.head_chunks > 0
-    generator = Generator(model, make_drafter(method, model), method=method)
+    drafter = make_drafter(method, model)
+    sizes = proposal_sizes(drafter)
+    generator = Generator(model, drafter, method=method)
     for prompt, expected in references:
         result = generator.generate(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS))
         assert result.token_ids == expected, method
         assert result.stats.offload["acquires"] == plan.streamed_units * result.stats.target_forwards, method
+    assert max(sizes) < plan.needs.max_tree_tokens  # x and the drafts: within the pass the plan reserved
+    if method == "dytc":
+        assert drafter.max_pass_tokens == plan.needs.max_tree_tokens in plan.needs.pass_sizes
     model.close()
