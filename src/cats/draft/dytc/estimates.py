@@ -74,7 +74,7 @@ class WindowedAverage:
         return len(self._recent(step))
 
 
-class AcceptanceEstimate:
+class AcceptanceEstimate(WindowedAverage):
     """Per-token acceptance alpha of one drafter, on two time scales. Each step it drafted adds its accepted tokens
     over its trials (accepted + 1 if a drafted token was rejected).
 
@@ -90,8 +90,7 @@ class AcceptanceEstimate:
     one on none: `tests/test_dytc.py`.)"""
 
     def __init__(self, prior: float, decay: float = DECAY, window: int = WINDOW):
-        self.prior, self.decay, self.window = prior, decay, window
-        self.history: deque[tuple[int, float, float]] = deque()  # (step, accepted, trials)
+        super().__init__(prior, decay, window)  # its history: (step, accepted, trials)
         self.long_accepted = self.long_trials = 0.0  # weighted as of step `long_step`
         self.long_step = 0
 
@@ -105,7 +104,7 @@ class AcceptanceEstimate:
         if drafted <= 0:
             return
         trials = float(accepted + (1 if accepted < drafted else 0))
-        self.history.append((step, float(accepted), trials))
+        self.observe(step, float(accepted), trials)
         self._age_long(step)
         self.long_accepted += accepted
         self.long_trials += trials
@@ -115,16 +114,9 @@ class AcceptanceEstimate:
         self._age_long(step)
         return (self.long_accepted + self.prior) / (self.long_trials + 1.0)
 
-    def count(self, step: int) -> int:
-        """Steps of the window that the drafter drafted."""
-        while self.history and self.history[0][0] <= step - self.window:
-            self.history.popleft()
-        return len(self.history)
-
     def value(self, step: int) -> float:
-        self.count(step)  # drops the steps past the window
         numerator, denominator = self.long_run(step), 1.0
-        for observed, accepted, trials in self.history:
+        for observed, accepted, trials in self._recent(step):
             weight = self.decay ** (step - observed)
             numerator += weight * accepted
             denominator += weight * trials
