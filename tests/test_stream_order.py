@@ -125,7 +125,10 @@ def test_skip_drafts_from_the_resident_layers_while_the_order_streams(family):
     [option] = [o for o in dytc.options.values() if isinstance(o.drafter, LayerSkipDrafter)]
     assert option.drafter.skip == skip and option.prior_acceptance == agreement
     layer_skip = make_drafter("layer-skip", model, DraftConfig(num_draft_tokens=3))
-    for method, drafter in (("dytc", dytc), ("layer-skip", layer_skip)):
+    # dytc as it chooses (by the clock: any mix of its drafters), then held to its skip option, which must accept
+    skipping = make_drafter("dytc", model)
+    skipping.plan = lambda max_tokens, *args, **kwargs: (option.key, min(3, max_tokens), 0)
+    for method, drafter in (("dytc", dytc), ("dytc", skipping), ("layer-skip", layer_skip)):
         accepted = 0
         for prompt, reference in zip(chosen, expected):
             result = Generator(model, drafter, method=method).generate(
@@ -136,7 +139,9 @@ def test_skip_drafts_from_the_resident_layers_while_the_order_streams(family):
             assert counts["acquires"] == result.stats.target_forwards * 3 and counts["out_of_order"] == 0, method
             assert counts["streamed_layers"] == list(plan.streamed)
             accepted += result.stats.accepted_draft_tokens
-        assert accepted > 0, method
+        assert accepted > 0 or drafter is dytc, method
+    chosen_keys = {key for key, count in skipping.counters()["choices"].items() if count}
+    assert chosen_keys == {option.key}, skipping.counters()["choices"]
     with pytest.raises(InvalidArgumentError, match="drop --sparsity"):
         make_drafter("layer-skip", model, DraftConfig(sparsity=0.4))
     model.close()
