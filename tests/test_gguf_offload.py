@@ -3,6 +3,8 @@ into the stream buffers, computed on as read), and every method decodes what the
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -15,9 +17,12 @@ from cats.loop.generator import Generator
 from cats.methods import make_drafter, memory_needs
 from cats.model.kernels import avx512, quantized
 from cats.model.kernels.gguf_modules import GGUFLinear
+from cats.model.kernels.layer_forward import _layer_spec
 from cats.model.identity import model_fingerprint
 from cats.model.weights import BudgetTooSmallError, MemoryNeeds
+from cats.model.weights.rss import current_rss_bytes, peak_rss_bytes, reset_peak_rss, return_freed_memory
 from cats.model.weights.stream_order import load_stream_order
+from cats.model.weights.transient import activation_bytes, kv_cache_bytes, layer_scratch_bytes
 from cats.prompts import encode_prompt
 from tests.conftest import SMOLLM2, STORIES_GGUF, needs, whole_layer_calls
 
@@ -133,3 +138,44 @@ def test_the_shipped_stream_order_streams_what_layer_skip_skips(in_memory, monke
         assert counts["acquires"] == len(plan.streamed) * result.stats.target_forwards, method
         assert counts["streamed_layers"] == list(plan.streamed) and counts["out_of_order"] == 0
         model.close()
+
+
+@needs(SMOLLM2)
+def test_the_plan_prices_a_prompt_on_the_blocks_and_the_forwards_stay_within_it(in_memory, monkeypatch):
+    """On GGUF blocks every forward runs on the whole-layer kernel, and the plan reserves a prompt's activations as
+    that kernel holds them (`activation_bytes(fused=True)`: a 64-token scratch, hidden states and mask, not every
+    query's scores and intermediates). What a 400-token prompt, and then 17-token verification passes, allocate (the
+    process's high-water above its KV cache) stays within the plan's reservation. Without the lean forward
+    (``CATS_LEAN=0``) the modules' estimate is reserved again."""
+    if avx512.unavailable(torch.float32) is not None:
+        pytest.skip(f"AVX-512 layer kernel: {avx512.unavailable(torch.float32)}")
+    config, prompt_tokens, context = in_memory.config, 400, 448
+    spec = _layer_spec(in_memory.layers[0], torch.float32)  # the kernel's own count of its scratch
+    assert all(avx512._STATE["library"].cats_layer_scratch(ctypes.byref(spec), tokens)
+               == layer_scratch_bytes(config, tokens) for tokens in (1, 17, 64))
+    needs_of = dict(context_tokens=context, prompt_tokens=prompt_tokens, min_resident_layers=9, max_tree_tokens=17)
+    model = cats.load_model(SMOLLM2, memory_budget="100MiB", memory_needs=MemoryNeeds(**needs_of))
+    plan = model.memory_plan
+    passes = activation_bytes(config, 4, 17, context)
+    prefill = activation_bytes(config, 4, prompt_tokens, 0, logit_rows=1, fused=True)
+    modules = activation_bytes(config, 4, prompt_tokens, 0, logit_rows=1)
+    assert plan.streamed and plan.activation_bytes == max(passes, prefill) < modules / 2
+    repeated = torch.randint(3, in_memory.vocab_size, (50,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt, drafter = repeated * (prompt_tokens // 50), PromptLookupDrafter(num_tokens=16)  # passes of 17 tokens
+    kv = kv_cache_bytes(config, 4, context + 17)
+    for new_tokens, reserved in ((1, prefill), (40, plan.activation_bytes)):
+        config_of = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
+        Generator(model, drafter).generate(prompt, config_of)  # its pages of the file and the kernel's scratch, once
+        return_freed_memory()
+        assert reset_peak_rss()
+        before = current_rss_bytes()
+        result = Generator(model, drafter).generate(prompt, config_of)
+        assert peak_rss_bytes() - before - kv <= reserved, new_tokens
+    assert max(result.stats.accept_lengths) > 2  # the passes held drafts, accepted
+    model.close()
+    monkeypatch.setenv("CATS_LEAN", "0")
+    with pytest.raises(BudgetTooSmallError, match="activations"):  # the 20 MiB the prompt's plan saved
+        cats.load_model(SMOLLM2, memory_budget="100MiB", memory_needs=MemoryNeeds(**needs_of))
+    model = cats.load_model(SMOLLM2, memory_budget="120MiB", memory_needs=MemoryNeeds(**needs_of))
+    assert model.memory_plan.activation_bytes == modules
+    model.close()

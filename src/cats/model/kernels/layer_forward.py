@@ -288,6 +288,14 @@ def fused_unsupported(layer: nn.Module) -> str | None:
     return None
 
 
+def whole_layer_forward(layers, dtype) -> bool:
+    """Whether every forward of ``layers`` (a model on GGUF blocks, or packed) runs on the whole-layer kernel here: the
+    lean forward without transformers' attention (``CATS_LEAN``), the kernels built for ``dtype``, every layer one
+    that `fused_layer_forward` runs (`fused_unsupported`)."""
+    return (lean_default() and not exact_attention_default() and avx512.layer_ready(dtype)
+            and all(fused_unsupported(layer) is None for layer in layers))
+
+
 def _layer_parts(layer: nn.Module) -> tuple:
     """The modules `_layer_spec` reads: the two norms, q, k, v, o, gate, up, down (looked up in ``_modules``: ~1 µs,
     on every call)."""

@@ -22,6 +22,7 @@ import torch
 from cats.errors import InvalidArgumentError
 from cats.model.identity import fingerprint_of, fingerprint_rows, model_fingerprint
 from cats.model.kernels.gguf_modules import GGUFRows
+from cats.model.kernels.layer_forward import whole_layer_forward
 from cats.model.weights.blocks import GGUFBlocks
 from cats.model.weights.budget import (
     DEFAULT_CONTEXT_TOKENS,
@@ -125,10 +126,13 @@ def _plan(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: list[i
     compute_dtype = getattr(embed, "compute_dtype", None)  # GGUF rows: float32 activations; else the weights' dtype
     itemsize = compute_dtype.itemsize if compute_dtype is not None else embed.weight.element_size()
     kv = kv_cache_bytes(config, itemsize, needs.context_tokens + needs.max_tree_tokens, needs.extra_cache_layers)
-    # a decode pass over the largest tree (logits for every node), or the prefill (logits for one row)
+    # a decode pass over the largest tree (logits for every node), or the prefill (logits for one row): on the
+    # whole-layer kernel where a model on GGUF blocks runs every forward on it (a pass, at most 64 tokens, is priced
+    # as through the modules all the same: its logits dominate, and its heap is measured close to that estimate)
     prompt = needs.prompt_tokens or needs.context_tokens
+    fused = isinstance(embed, GGUFRows) and whole_layer_forward(hf_model.model.layers, compute_dtype)
     activation = max(activation_bytes(config, itemsize, needs.max_tree_tokens, needs.context_tokens),
-                     activation_bytes(config, itemsize, prompt, 0, logit_rows=1))
+                     activation_bytes(config, itemsize, prompt, 0, logit_rows=1, fused=fused))
     return plan_memory(parse_budget(budget, parts.weights), parts, needs, kv, activation)
 
 
