@@ -129,6 +129,7 @@ class Generator:
             # 4. accept (the token after x is at sequence position len(token_ids))
             sampler.position = len(state.token_ids)
             verdict = acceptance.accept(verified, target_logits, sampler)
+            del target_logits  # [k+1, V]: not held while the next pass computes its own
             # 5. roll back: keep x and the accepted drafts in every layer; the new token is pending
             accepted = verdict.accepted
             if accepted == list(range(len(accepted))):  # a prefix of the drafted order: cut the rest off
