@@ -17,7 +17,8 @@ from __future__ import annotations
 from cats.model.kernels.avx512 import ATTENTION_QUERY_LIMIT
 
 HIDDEN_COPIES = 8  # hidden states a forward holds at once: its input, the kernel's in-place copy, norms, captures
-LOGIT_COPIES = 3  # a pass's float32 logits, and their softmax and residual for sampling
+LOGIT_COPIES = 3  # a pass's float32 logits, and what sampling and the drafters hold beside them: on SmolLM2 (float
+# path, 17-token passes, 2026-12-06) a greedy one peaked at 1.8 rows of V per token, a sampled EAGLE tree at 3.4
 
 
 def _head_dim(config) -> int:
