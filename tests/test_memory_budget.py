@@ -172,7 +172,7 @@ def test_the_budget_caps_the_tree_it_reserves():
     smallest = memory_needs(model.config, torch.float64, "tree", DraftConfig(total_tokens=BUCKETS[0].total_tokens), context_tokens=32)
     tight = plan_for(model.hf_model, plan_for(model.hf_model, 1 << 40, smallest).minimum, auto())
     assert tight.needs.max_tree_tokens == BUCKETS[0].total_tokens + 1  # only the smallest bucket's activations fit
-    with pytest.raises(BudgetTooSmallError, match=f"activations \\({BUCKETS[0].total_tokens + 1}-token pass\\)"):
+    with pytest.raises(BudgetTooSmallError, match=f"activations \\({BUCKETS[0].total_tokens + 1}-token pass or "):
         plan_for(model.hf_model, tight.minimum - 1, auto())
 
 

@@ -370,7 +370,8 @@ class MemoryPlan:
         if self.needs.drafter_bytes:
             rows.append(("drafter tables", self.needs.drafter_bytes))
         rows += [(f"KV cache ({self.needs.context_tokens} + {self.needs.max_tree_tokens} tokens)", self.kv_bytes),
-                 (f"activations ({self.needs.max_tree_tokens}-token pass)", self.activation_bytes),
+                 (f"activations ({self.needs.max_tree_tokens}-token pass or "
+                  f"{self.needs.prompt_tokens or self.needs.context_tokens}-token prompt)", self.activation_bytes),
                  (f"resident layers {layer_ranges(self.resident)}", self.resident_layer_bytes)]
         if self.pool_slots:
             rows.append((f"stream buffers ({self.pool_slots} x {mib(self.slot_bytes)})",
@@ -384,8 +385,10 @@ class MemoryPlan:
         """The printable plan: bytes per part, which layers stream, bytes read per pass."""
         lines = [f"memory plan: budget {mib(self.budget)} (weights {mib(self.parts.weights)}, "
                  f"minimum {mib(self.minimum)})"]
-        lines += [f"  {name:<40} {mib(size):>12}" for name, size in self.rows()]
-        lines.append(f"  {'total planned':<40} {mib(self.planned_bytes):>12}")
+        rows = self.rows()
+        width = max(40, *(len(name) for name, _ in rows))
+        lines += [f"  {name:<{width}} {mib(size):>12}" for name, size in rows]
+        lines.append(f"  {'total planned':<{width}} {mib(self.planned_bytes):>12}")
         if self.streamed or self.head_streamed:
             rows = self.head_streamed_rows * self.parts.head_row_bytes
             head = (f" and the lm_head's rows past the draft's ({mib(rows)}, in {self.head_chunks} pieces)"
