@@ -127,7 +127,7 @@ def _plan(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: list[i
     itemsize = compute_dtype.itemsize if compute_dtype is not None else embed.weight.element_size()
     kv = kv_cache_bytes(config, itemsize, needs.context_tokens + needs.max_tree_tokens, needs.extra_cache_layers)
     # a decode pass over the largest tree (logits for every node), or the prefill (logits for one row): on the
-    # whole-layer kernel where a model on GGUF blocks runs every forward on it (a pass, at most 64 tokens, is priced
+    # whole-layer kernel where a model on GGUF blocks runs every forward on it (a pass, tens of tokens, is priced
     # as through the modules all the same: its logits dominate, and its heap is measured close to that estimate)
     prompt = needs.prompt_tokens or needs.context_tokens
     fused = isinstance(embed, GGUFRows) and whole_layer_forward(hf_model.model.layers, compute_dtype)

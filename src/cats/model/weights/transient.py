@@ -9,7 +9,7 @@ many tokens and the scores of one query at a time; what grows with a prompt is t
 mask. Measured on Qwen2.5-Coder-1.5B's GGUF (2026-12-06, the resident model's high-water above its KV cache, the
 scratch held from before): prompts of 201 / 709 / 1,400 tokens 5.2 / 13.2 / 26.8 MiB, which the whole-layer
 estimate prices at 9.8 / 36.3 / 76.3 MiB with the scratch (8.6 MiB) and the logits left out, and the modules' at
-39.8 / 174.6 / 437.1. A verification pass (at most 64 tokens) is dominated by its logits either way
+39.8 / 174.6 / 437.1. A verification pass (tens of tokens, each with its logits) is priced through the modules
 (`tests/test_gguf_offload.py` checks a prompt and 17-token passes on SmolLM2's file)."""
 
 from __future__ import annotations
