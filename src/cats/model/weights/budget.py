@@ -385,9 +385,9 @@ class MemoryPlan:
         """The printable plan: bytes per part, which layers stream, bytes read per pass."""
         lines = [f"memory plan: budget {mib(self.budget)} (weights {mib(self.parts.weights)}, "
                  f"minimum {mib(self.minimum)})"]
-        rows = self.rows()
-        width = max(40, *(len(name) for name, _ in rows))
-        lines += [f"  {name:<{width}} {mib(size):>12}" for name, size in rows]
+        parts = self.rows()
+        width = max(40, *(len(name) for name, _ in parts))
+        lines += [f"  {name:<{width}} {mib(size):>12}" for name, size in parts]
         lines.append(f"  {'total planned':<{width}} {mib(self.planned_bytes):>12}")
         if self.streamed or self.head_streamed:
             rows = self.head_streamed_rows * self.parts.head_row_bytes
