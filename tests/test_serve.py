@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -51,9 +52,9 @@ def model(model_dir):
     return cats.load_model(str(model_dir))
 
 
-@pytest.fixture(scope="module")
-def server(model):
-    """Base URL of a live server: method pld, at most MAX_QUEUE waiting requests."""
+@contextmanager
+def live_server(model):
+    """Base URL of a live server of ``model``: method pld, at most MAX_QUEUE waiting requests."""
     from cats.draft import PromptLookupDrafter
     from cats.serve.app import create_app
     from cats.serve.engine import Engine
@@ -68,9 +69,17 @@ def server(model):
     while not uv.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    uv.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    with live_server(model) as base:
+        yield base
 
 
 @pytest.fixture
@@ -296,6 +305,66 @@ def test_openai_client(server, model):
         client.completions.create(model="gpt-4o", prompt=STORY, max_tokens=4)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="stories", prompt=STORY, max_tokens=4, extra_body={"tools": []})
+
+
+def test_a_server_under_a_memory_budget_answers_as_plain_decoding_within_the_context_it_planned(model_dir, model,
+                                                                                               tmp_path, monkeypatch):
+    """Under a budget part of the model streams, answers are still plain greedy decoding's, and a request longer than
+    the KV cache the plan reserved is refused up front with an OpenAI-shaped 400 naming --max-context."""
+    from cats import MemoryConfig
+    from cats.api import prepare
+
+    monkeypatch.setenv("CATS_CACHE", str(tmp_path / "cache"))  # its layer store
+    budgeted = prepare(str(model_dir), "pld", None, MemoryConfig(budget="1.5MiB"), context_tokens=64)
+    assert budgeted.memory_plan.streamed and budgeted.usable_context == 64 < budgeted.context_length
+    prompt = chat_ids(model)
+    with live_server(budgeted) as base, httpx.Client(base_url=base, timeout=60) as client:
+        card = client.get("/v1/models").json()["data"][0]["cats"]
+        assert card["context_length"] == 64 and card["memory_plan"]["streamed_layers"]
+        response = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": STORY}], "max_tokens": 24, "temperature": 0})
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["message"]["content"] == greedy_text(model, prompt, 24)
+        assert response.json()["cats"]["offload"]["acquires"] > 0  # the streamed layers were read
+        rest = client.post("/v1/chat/completions", json={  # no max_tokens: up to the planned context
+            "messages": [{"role": "user", "content": STORY}], "temperature": 0, "ignore_eos": True})
+        assert rest.json()["usage"]["total_tokens"] == 64, rest.text
+        refused = client.post("/v1/completions", json={"prompt": STORY, "max_tokens": 64})
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+        assert "maximum context length is 64 tokens" in error["message"] and "--max-context" in error["message"]
+    budgeted.close()
+
+
+def test_cats_serve_plans_its_memory_budget_for_max_context_tokens(model_dir, tmp_path, monkeypatch, capsys):
+    """`cats serve --memory-budget` loads the model under the budget, planned for --max-context tokens a request;
+    --max-context without a budget is refused, not ignored."""
+    import cats.api
+    from cats.cli import main
+    from cats.cli import serve as serve_command
+
+    served = {}
+
+    class Recorded:  # stands in for the HTTP server: records what it would serve
+        def __init__(self, app, engine, **settings):
+            served.update(engine=engine, settings=settings)
+
+        def run(self):
+            served["ran"] = True
+
+    monkeypatch.setattr(serve_command, "GracefulServer", Recorded)
+    monkeypatch.setattr(cats.api, "anonymous_rss_bytes", lambda: 300 << 20)  # the process's runtime, fixed
+    monkeypatch.setenv("CATS_CACHE", str(tmp_path / "cache"))
+    base = ["serve", "--model", str(model_dir), "--method", "pld", "--port", "0"]
+    assert main(base + ["--max-context", "64"]) == 2
+    assert "--max-context applies with --memory-budget only" in capsys.readouterr().err
+    assert main(base + ["--memory-budget", "1.5MiB+332MiB", "--max-context", "64"]) == 0 and served["ran"]
+    model = served["engine"].model
+    assert model.memory_plan.streamed and model.usable_context == 64
+    err = capsys.readouterr().err
+    assert "memory plan: budget" in err and "64 tokens of context a request" in err
+    model.close()
 
 
 def test_cats_serve_process_shuts_down_cleanly_on_sigterm(model_dir):

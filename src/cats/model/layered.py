@@ -184,6 +184,14 @@ class LayeredModel:
         return int(getattr(self.config, "max_position_embeddings", 0) or 0) or 1 << 30
 
     @property
+    def usable_context(self) -> int:
+        """Tokens one generation may hold, prompt and new tokens together: the context window, or under a memory
+        budget the KV cache its plan reserved (`MemoryNeeds.context_tokens`), if fewer."""
+        if self.memory_plan is None:
+            return self.context_length
+        return min(self.context_length, self.memory_plan.needs.context_tokens)
+
+    @property
     def eos_token_ids(self) -> set[int]:
         return eos_token_ids(getattr(self.hf_model, "generation_config", None), self.config, self.tokenizer)
 

@@ -141,11 +141,13 @@ class CompletionService:
         return ids
 
     def config(self, body, prompt_ids: list[int], chat: bool) -> GenerationConfig:
-        context = self.model.context_length
+        context = self.model.usable_context
         room, limit = context - len(prompt_ids), body.token_limit()
         if room < 1 or (limit is not None and limit > room):
+            planned = (" (the KV cache this server's memory budget planned: start it with a larger --max-context)"
+                       if context < self.model.context_length else "")
             raise APIError(
-                400, f"This model's maximum context length is {context} tokens. However, you requested "
+                400, f"This model's maximum context length is {context} tokens{planned}. However, you requested "
                 f"{len(prompt_ids) + (limit or 0)} tokens ({len(prompt_ids)} in the prompt, {limit or 0} for the "
                 "completion). Please reduce the prompt or max_tokens.",
                 param="max_tokens" if room >= 1 else ("messages" if chat else "prompt"), code="context_length_exceeded")
@@ -193,8 +195,9 @@ class CompletionService:
         return {
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "cats",
             "cats": {"method": self.engine.generator.method, "acceptance": "exact",  # the server never runs typical
-                     "context_length": self.model.context_length, "sampling_available": True,
+                     "context_length": self.model.usable_context, "sampling_available": True,
                      "default_temperature": DEFAULT_TEMPERATURE, "max_queue": self.engine.max_queue,
+                     "memory_plan": self.model.memory_plan.to_dict() if self.model.memory_plan else None,
                      "version": cats.__version__},
         }
 
