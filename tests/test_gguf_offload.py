@@ -22,7 +22,13 @@ from cats.model.identity import model_fingerprint
 from cats.model.weights import BudgetTooSmallError, MemoryNeeds
 from cats.model.weights.rss import current_rss_bytes, peak_rss_bytes, reset_peak_rss, return_freed_memory
 from cats.model.weights.stream_order import load_stream_order
-from cats.model.weights.transient import activation_bytes, kv_cache_bytes, layer_scratch_bytes
+from cats.model.weights.transient import (
+    HIDDEN_COPIES,
+    PROMPT_COPIES,
+    activation_bytes,
+    kv_cache_bytes,
+    layer_scratch_bytes,
+)
 from cats.prompts import encode_prompt
 from tests.conftest import SMOLLM2, STORIES_GGUF, needs, whole_layer_calls
 
@@ -153,11 +159,14 @@ def test_the_plan_prices_a_prompt_on_the_blocks_and_the_forwards_stay_within_it(
     spec = _layer_spec(in_memory.layers[0], torch.float32)  # the kernel's own count of its scratch
     assert all(avx512._STATE["library"].cats_layer_scratch(ctypes.byref(spec), tokens)
                == layer_scratch_bytes(config, tokens) for tokens in (1, 17, 64))
-    needs_of = dict(context_tokens=context, prompt_tokens=prompt_tokens, min_resident_layers=9, max_tree_tokens=17)
+    needs_of = dict(context_tokens=context, prompt_tokens=prompt_tokens, min_resident_layers=9, max_tree_tokens=17,
+                    prompt_captures=False)  # prompt lookup keeps no layer's states of the prompt
     model = cats.load_model(SMOLLM2, memory_budget="100MiB", memory_needs=MemoryNeeds(**needs_of))
     plan = model.memory_plan
     passes = activation_bytes(config, 4, 17, context)
-    prefill = activation_bytes(config, 4, prompt_tokens, 0, logit_rows=1, fused=True)
+    prefill = activation_bytes(config, 4, prompt_tokens, 0, logit_rows=1, fused=True, captures=False)
+    captured = activation_bytes(config, 4, prompt_tokens, 0, logit_rows=1, fused=True)  # a drafter keeping states
+    assert captured - prefill == (HIDDEN_COPIES - PROMPT_COPIES) * prompt_tokens * config.hidden_size * 4
     modules = activation_bytes(config, 4, prompt_tokens, 0, logit_rows=1)
     assert plan.streamed and plan.activation_bytes == max(passes, prefill) < modules / 2
     repeated = torch.randint(3, in_memory.vocab_size, (50,), generator=torch.Generator().manual_seed(1)).tolist()

@@ -124,6 +124,10 @@ def test_memory_needs_per_method(tmp_path):
     assert dytc.skip_streamed and not memory_needs(config, dtype, "pld").skip_streamed
     skip = memory_needs(config, dtype, "layer-skip", DraftConfig(num_draft_tokens=3))
     assert (skip.min_resident_layers, skip.max_tree_tokens, skip.skip_streamed) == (1, 4, True)
+    # the prompt's states are kept only for adapters, which run on them (the prefill is priced with more copies)
+    assert not any(memory_needs(config, dtype, name).prompt_captures
+                   for name in ("ar", "pld", "recycle", "layer-skip", "dytc", "tree"))
+    assert cats.prompt_captures and memory_needs(config, dtype, "dytc", DraftConfig(adapters=str(tmp_path))).prompt_captures
 
 
 def test_on_gguf_blocks_an_adapter_is_priced_as_its_file_stores_its_matrices(tmp_path):

@@ -71,6 +71,7 @@ def _add_adapter(needs: MemoryNeeds, folder: Path, held: HeldAs) -> int:
     needs.adapter_bytes += size
     needs.head_rows += rows
     needs.extra_cache_layers += 1
+    needs.prompt_captures = True  # it runs on the prompt's states at its layer
     return layer
 
 
@@ -101,6 +102,7 @@ def _eagle3_head_needs(needs, config, held, folder: Path | None) -> bool:
     needs.adapter_bytes += held.bytes_of(folder / "model.safetensors")
     needs.head_rows += vocab
     needs.extra_cache_layers += 1
+    needs.prompt_captures = True  # three layers' states of the prompt
     return True
 
 

@@ -372,6 +372,6 @@ def memory_needs(config, dtype: torch.dtype, name: str = "ar", drafting: DraftCo
     context = int(getattr(config, "max_position_embeddings", 0) or DEFAULT_CONTEXT_TOKENS)
     needs = MemoryNeeds(context_tokens=context_tokens or min(DEFAULT_CONTEXT_TOKENS, context),
                         prefetch=DEFAULT_PREFETCH if prefetch is None else prefetch, prefetch_fixed=prefetch is not None,
-                        prompt_tokens=prompt_tokens)
+                        prompt_tokens=prompt_tokens, prompt_captures=False)  # an adapter's needs set it
     entry.needs(needs, config, held, d)
     return needs

@@ -201,6 +201,7 @@ class MemoryNeeds:
     # streams (its draft vocabulary); > 0 lets the plan stream the head after the last layer where that is estimated
     # to commit more tokens per time (`skip_draft_rate`); 0: the head stays resident
     draft_tokens: int = 4  # with head_draft_rows: the skip draft's chain length, for that estimate
+    prompt_captures: bool = True  # a drafter keeps layers' states of the prompt: its prefill holds more (`transient`)
 
     def validate(self, num_layers: int) -> None:
         if self.context_tokens < 1:

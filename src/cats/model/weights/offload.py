@@ -132,7 +132,8 @@ def _plan(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: list[i
     prompt = needs.prompt_tokens or needs.context_tokens
     fused = isinstance(embed, GGUFRows) and whole_layer_forward(hf_model.model.layers, compute_dtype)
     activation = max(activation_bytes(config, itemsize, needs.max_tree_tokens, needs.context_tokens),
-                     activation_bytes(config, itemsize, prompt, 0, logit_rows=1, fused=fused))
+                     activation_bytes(config, itemsize, prompt, 0, logit_rows=1, fused=fused,
+                                      captures=needs.prompt_captures))
     return plan_memory(parse_budget(budget, parts.weights), parts, needs, kv, activation)
 
 

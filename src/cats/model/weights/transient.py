@@ -17,6 +17,10 @@ from __future__ import annotations
 from cats.model.kernels.avx512 import ATTENTION_QUERY_LIMIT
 
 HIDDEN_COPIES = 8  # hidden states a forward holds at once: its input, the kernel's in-place copy, norms, captures
+PROMPT_COPIES = 4  # on the whole-layer kernel, a prompt that no drafter captures states of: its embedded input, the
+# kernel's in-place copy, the final states, one spare. Measured on Qwen2.5-Coder-1.5B's GGUF (2026-12-06, `ar` and
+# `dytc` under a budget, the high-water above the KV cache written, less the mask): 0.9-3.1 copies at 200-2,000 tokens;
+# with the EAGLE-3 head's captures (three layers' states, fused) ~76 MiB at 1,400 tokens, within the 8 copies' 87
 LOGIT_COPIES = 3  # a pass's float32 logits, and what sampling and the drafters hold beside them: on SmolLM2 (float
 # path, 17-token passes, 2026-12-06) a greedy one peaked at 1.8 rows of V per token, a sampled EAGLE tree at 3.4
 
@@ -42,7 +46,7 @@ def layer_scratch_bytes(config, tokens: int, itemsize: int = 4) -> int:
 
 
 def activation_bytes(config, itemsize: int, tokens: int, context_tokens: int, logit_rows: int | None = None,
-                     fused: bool = False) -> int:
+                     fused: bool = False, captures: bool = True) -> int:
     """An upper estimate of the transient tensors of one pass over ``tokens`` new tokens with ``context_tokens``
     cached, plus logits with their float copies (``LOGIT_COPIES x rows x V``, float32; rows = T by default, 1 for a
     prefill).
@@ -50,13 +54,15 @@ def activation_bytes(config, itemsize: int, tokens: int, context_tokens: int, lo
     Through the modules (``fused`` False): hidden states and norms (~8 x T x H), the MLP (3 x T x I), q/k/v and the
     K/V expanded to all heads for a masked SDPA (2 x heads x ctx x head_dim), attention scores and their softmax
     (2 x heads x T x ctx), the additive mask (T x ctx). On the whole-layer kernel (``fused``): the kernel's scratch
-    for one call (at most `ATTENTION_QUERY_LIMIT` tokens), the hidden states (8 x T x H), the additive mask and the
-    bool one it is made from (T x ctx, 4 + 1 bytes) and the rotary tables (2 x T x head_dim)."""
+    for one call (at most `ATTENTION_QUERY_LIMIT` tokens), the hidden states (8 x T x H; `PROMPT_COPIES` x T x H
+    without ``captures``: no drafter keeps layers' states of these tokens), the additive mask and the bool one it is
+    made from (T x ctx, 4 + 1 bytes) and the rotary tables (2 x T x head_dim)."""
     heads, head_dim = config.num_attention_heads, _head_dim(config)
     t, ctx = tokens, context_tokens + tokens
     if fused:
         forward = (layer_scratch_bytes(config, min(t, ATTENTION_QUERY_LIMIT), itemsize)
-                   + (HIDDEN_COPIES * t * config.hidden_size + 2 * t * head_dim) * itemsize + t * ctx * (itemsize + 1))
+                   + ((HIDDEN_COPIES if captures else PROMPT_COPIES) * t * config.hidden_size + 2 * t * head_dim) * itemsize
+                   + t * ctx * (itemsize + 1))
     else:
         forward = (HIDDEN_COPIES * t * config.hidden_size + 3 * t * config.intermediate_size + 3 * t * heads * head_dim
                    + 2 * heads * ctx * head_dim + 2 * heads * t * ctx + t * ctx) * itemsize
