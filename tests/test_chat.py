@@ -78,3 +78,31 @@ def test_cats_chat_command(stories_chat_dir, model, monkeypatch, capsys):
     stats = [line for line in err.splitlines() if line.startswith("[pld] ")]
     assert len(stats) == 2 and all("12 tokens" in s and "tok/s" in s and "mean accepted" in s for s in stats)
     assert "(history cleared)" in err and "unknown command /help" in err
+
+
+def test_under_a_memory_budget_the_history_fits_the_planned_context(stories_chat_dir, model, tmp_path, monkeypatch,
+                                                                     capsys):
+    """`cats chat --memory-budget --max-context 80`: part of the model streams, the answers are plain greedy
+    decoding's, and old turns are dropped to fit the 80 tokens the plan reserved (the model's window is 512)."""
+    import cats.api
+    from cats.cli import main
+    from cats.cli import chat as chat_command
+
+    monkeypatch.setattr(cats.api, "anonymous_rss_bytes", lambda: 300 << 20)  # the process's runtime, fixed
+    monkeypatch.setenv("CATS_CACHE", str(tmp_path / "cache"))  # its layer store
+    conversations = []
+    monkeypatch.setattr(chat_command, "Chat", lambda *a, **k: conversations.append(Chat(*a, **k)) or conversations[-1])
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Once upon a time there was a cat\n" * 4))
+    assert main(["chat", "--model", str(stories_chat_dir), "--max-new-tokens", "20", "--memory-budget",
+                 "1.8MiB+332MiB", "--max-context", "80"]) == 0
+    out, err = capsys.readouterr()
+    conversation = conversations[0]
+    budgeted = conversation.model
+    assert budgeted.memory_plan.streamed and budgeted.usable_context == 80 < budgeted.context_length
+    assert "memory plan: budget" in err and conversation.dropped >= 2
+    first = greedy_answer(model, [{"role": "user", "content": "Once upon a time there was a cat"}], 20)
+    assert out.startswith(first + "\n")
+    assert len(encode_chat(budgeted, conversation.messages())) < 80
+    assert main(["chat", "--model", str(stories_chat_dir), "--max-context", "80"]) == 2  # not ignored without a budget
+    assert "--max-context applies with --memory-budget only" in capsys.readouterr().err
+    budgeted.close()

@@ -6,22 +6,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from cats.cli.args import (
-    add_method_arguments,
-    add_model_arguments,
-    add_pack_argument,
-    build_generator,
-    drafting_from_args,
-    integer,
-    method_from_args,
-)
+from cats.cli.args import add_method_arguments, add_model_arguments, add_pack_argument, build_generator, integer
+from cats.cli.session import add_session_memory_arguments, load_for_session
 from cats.config import request_config
 from cats.errors import InvalidArgumentError, NoTokenizerError, PromptTooLongError
 from cats.loop.generator import Generator
 from cats.loop.stats import GenerationStats
 from cats.loop.text import IncrementalDetokenizer
-from cats.model import load_model
-from cats.paths import default_model
 from cats.prompts import encode_chat
 
 HELP = "/reset clears the history, /exit (or Ctrl-D) quits, Ctrl-C stops an answer"
@@ -29,8 +20,8 @@ HELP = "/reset clears the history, /exit (or Ctrl-D) quits, Ctrl-C stops an answ
 
 class Chat:
     """A conversation with one model: each answer sees the whole history (oldest turns are dropped when the
-    history no longer fits into the context window). ``sampling``: temperature, top_p, seed (default: greedy, as
-    ``cats chat``)."""
+    history no longer fits into the context window: the model's, or the context a memory budget planned for).
+    ``sampling``: temperature, top_p, seed (default: greedy, as ``cats chat``)."""
 
     def __init__(self, generator: Generator, system: str | None = None, max_new_tokens: int = 512, **sampling):
         sampling.setdefault("temperature", 0.0)
@@ -48,7 +39,7 @@ class Chat:
 
     def _prompt(self) -> list[int]:
         """The history's token ids, dropping the oldest exchanges until a useful answer fits."""
-        context = self.model.context_length
+        context = self.model.usable_context
         while True:
             ids = encode_chat(self.model, self.messages())
             if len(ids) < context - min(self.max_new_tokens, 16) or len(self.history) <= 1:
@@ -67,7 +58,7 @@ class Chat:
         stats = GenerationStats()
         try:
             ids = self._prompt()
-            config = request_config(min(self.max_new_tokens, self.model.context_length - len(ids)), **self.sampling)
+            config = request_config(min(self.max_new_tokens, self.model.usable_context - len(ids)), **self.sampling)
             detokenizer = IncrementalDetokenizer(self.model.tokenizer)
             for chunk in self.generator.stream(ids, config, stats):
                 delta = detokenizer.add(chunk)
@@ -96,6 +87,7 @@ def add_chat_parser(commands) -> None:
     add_model_arguments(chat)
     add_pack_argument(chat)
     add_method_arguments(chat, default="pld")
+    add_session_memory_arguments(chat)
     chat.add_argument("--system", default=None, help="system message")
     chat.add_argument("--max-new-tokens", type=integer, default=512, help="longest answer in tokens (default: 512)")
     chat.add_argument("--temperature", type=float, default=0.0,
@@ -107,12 +99,9 @@ def add_chat_parser(commands) -> None:
 
 def run_chat(args) -> int:
 
-    method_from_args(args)
-    drafting_from_args(args).validate()  # before the model loads
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
     request_config(args.max_new_tokens, **sampling)  # fail before the model loads
-    model = load_model(args.model or default_model(), dtype=args.dtype, pack_weights=args.pack_weights,
-                       kernels=args.kernels)
+    model = load_for_session(args)
     if model.tokenizer is None:
         raise NoTokenizerError(f"model {model.name!r} has no tokenizer; cats chat needs one", model.name)
     if not getattr(model.tokenizer, "chat_template", None):

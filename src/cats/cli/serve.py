@@ -10,22 +10,9 @@ import signal
 import sys
 from pathlib import Path
 
-from cats.api import load, prepare
-from cats.cli.args import (
-    add_memory_arguments,
-    add_method_arguments,
-    add_model_arguments,
-    add_pack_argument,
-    build_generator,
-    check_memory_flags,
-    drafting_from_args,
-    integer,
-    memory_from_args,
-    method_from_args,
-)
-from cats.config import KernelConfig
+from cats.cli.args import add_method_arguments, add_model_arguments, add_pack_argument, build_generator, integer
+from cats.cli.session import add_session_memory_arguments, load_for_session
 from cats.errors import InvalidArgumentError, MissingDependencyError, NoTokenizerError
-from cats.model.source import load_tokenizer
 from cats.paths import default_model
 from cats.serve.engine import Engine
 
@@ -47,11 +34,7 @@ def add_serve_parser(commands) -> None:
     add_model_arguments(serve)
     add_pack_argument(serve)
     add_method_arguments(serve, default="pld")
-    add_memory_arguments(serve)
-    serve.add_argument("--max-context", type=integer, default=None,
-                       help="with --memory-budget: tokens of KV cache to plan for, the most a request's prompt and "
-                       "completion may hold together (default: 2048, or the model's context window if shorter); "
-                       "the plan also reserves a prompt of this length")
+    add_session_memory_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine "
                        "only; 0.0.0.0 for every interface)")
     serve.add_argument("--port", type=integer, default=8000, help="port (default: 8000; 0 picks a free one)")
@@ -89,23 +72,8 @@ def run_serve(args) -> int:
         raise InvalidArgumentError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.shutdown_timeout < 0:
         raise InvalidArgumentError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout:g}")
-    method = method_from_args(args)
-    drafting = drafting_from_args(args)
-    drafting.validate()  # before the model loads
-    kernels = KernelConfig(dtype=args.dtype, pack_weights=args.pack_weights, kernels=args.kernels)
-    kernels.validate()
     model_path = args.model or default_model()
-    if args.memory_budget is None:
-        check_memory_flags(args)
-        model = load(model_path, kernels)
-    else:  # requests' lengths are not known yet: the plan reserves --max-context tokens, a prompt of them included
-        if args.max_context is not None and args.max_context < 2:
-            raise InvalidArgumentError(f"--max-context must be at least 2 tokens, got {args.max_context}")
-        memory = memory_from_args(args)
-        memory.validate()
-        model = prepare(model_path, method, drafting, memory, kernels, context_tokens=args.max_context,
-                        tokenizer=load_tokenizer(model_path))
-        print(model.memory_plan.describe(), file=sys.stderr)
+    model = load_for_session(args)
     if model.tokenizer is None:
         raise NoTokenizerError(f"model {model_path!r} has no tokenizer that transformers can read; "
                                "cats serve needs one to turn text into tokens", model_path)
