@@ -120,6 +120,42 @@ def test_llama_rows_in_the_files_order_stream_too():
     model.close()
 
 
+@needs(STORIES_GGUF)
+def test_a_prompt_planned_in_chunks_runs_in_chunks_and_decodes_as_a_whole_prompt():
+    """A plan that prices the prompt in chunks (`MemoryNeeds.prompt_chunk`, set where the prompt's length is not
+    known) runs it that many tokens a forward: one sweep of the streamed layers per chunk, and the tokens of the model
+    in memory, which takes the prompt in one forward. The plan reserves the last chunk's activations, not the whole
+    prompt's; a drafter that keeps the prompt's states (``prompt_captures``) gets the whole prompt priced and run."""
+    with pytest.warns(UserWarning, match="tokenizer"):
+        resident = cats.load_model(STORIES_GGUF)
+    prompt = torch.randint(3, resident.vocab_size, (45,), generator=torch.Generator().manual_seed(4)).tolist()
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    plain = Generator(resident).generate(prompt, config).token_ids
+    needs_of = dict(context_tokens=64, prompt_chunk=8, prompt_captures=False)
+    with pytest.warns(UserWarning, match="tokenizer"):
+        model = cats.load_model(STORIES_GGUF, memory_budget="1.3MiB", memory_needs=MemoryNeeds(**needs_of))
+    streamed = len(model.memory_plan.streamed)
+    assert streamed and "64-token prompt, 8 a forward" in model.memory_plan.describe()
+    config_of, chunked = resident.config, model.memory_plan.activation_bytes  # the last chunk: 8 tokens after 56
+    assert chunked in {max(activation_bytes(config_of, 4, 1, 64), activation_bytes(
+        config_of, 4, 8, 56, logit_rows=1, fused=fused, captures=False)) for fused in (True, False)}
+    result = Generator(model, PromptLookupDrafter(num_tokens=4)).generate(prompt, config)
+    assert result.token_ids == plain
+    chunks, passes = 6, result.stats.target_forwards - 1  # 45 tokens, 8 a forward; then the verification passes
+    assert result.stats.offload["acquires"] == streamed * (chunks + passes)
+    model.close()
+    needs_of["prompt_captures"] = True  # an adapter's states of the prompt: the whole prompt, one forward
+    with pytest.raises(BudgetTooSmallError, match="64-token prompt\\)"), pytest.warns(UserWarning, match="tokenizer"):
+        cats.load_model(STORIES_GGUF, memory_budget="1.3MiB", memory_needs=MemoryNeeds(**needs_of))
+    with pytest.warns(UserWarning, match="tokenizer"):
+        model = cats.load_model(STORIES_GGUF, memory_budget="1.6MiB", memory_needs=MemoryNeeds(**needs_of))
+    assert "64-token prompt)" in model.memory_plan.describe() and model.memory_plan.activation_bytes > chunked
+    result = Generator(model).generate(prompt, config)
+    assert result.token_ids == plain
+    assert result.stats.offload["acquires"] == len(model.memory_plan.streamed) * result.stats.target_forwards
+    model.close()
+
+
 @needs(SMOLLM2)
 def test_the_shipped_stream_order_streams_what_layer_skip_skips(in_memory, monkeypatch, tmp_path):
     """SmolLM2's GGUF under a budget for layer-skip and dytc: the first layers of its shipped stream order stream from

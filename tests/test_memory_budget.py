@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from cats.errors import InvalidArgumentError
 from cats.model.weights.budget import BudgetTooSmallError, MemoryNeeds, PartSizes, parse_budget, plan_memory
-from cats.model.weights.transient import kv_cache_bytes
+from cats.model.weights.transient import PROMPT_CHUNK, kv_cache_bytes, prompt_forward_tokens, prompt_text
 from cats.draft.sizing import BUCKETS, choose_bucket, streamed_pass_s
 from tests.conftest import tiny_config, tiny_model
 from cats.config import DraftConfig
@@ -128,6 +128,13 @@ def test_memory_needs_per_method(tmp_path):
     assert not any(memory_needs(config, dtype, name).prompt_captures
                    for name in ("ar", "pld", "recycle", "layer-skip", "dytc", "tree"))
     assert cats.prompt_captures and memory_needs(config, dtype, "dytc", DraftConfig(adapters=str(tmp_path))).prompt_captures
+    # a prompt of unknown length (a server's) runs in chunks where nothing keeps its states; a known one at once
+    assert memory_needs(config, dtype, "ar").prompt_chunk == PROMPT_CHUNK
+    assert memory_needs(config, dtype, "ar", context_tokens=2048, prompt_tokens=700).prompt_chunk == 0
+    assert prompt_forward_tokens(memory_needs(config, dtype, "ar", context_tokens=2048)) == (2048, 512)
+    assert prompt_forward_tokens(memory_needs(config, dtype, "ar", context_tokens=300)) == (300, 300)
+    assert prompt_forward_tokens(cats) == (cats.context_tokens, cats.context_tokens)  # its adapters keep the states
+    assert prompt_text(memory_needs(config, dtype, "ar", context_tokens=2048)) == "2048-token prompt, 512 a forward"
 
 
 def test_on_gguf_blocks_an_adapter_is_priced_as_its_file_stores_its_matrices(tmp_path):

@@ -59,6 +59,7 @@ from cats.method_needs import (
     tree_needs,
 )
 from cats.model.weights.offload import check_resident
+from cats.model.weights.transient import PROMPT_CHUNK
 from cats.verify.cascade import make_cascade
 from cats.verify.scorer import TargetScorer
 
@@ -374,4 +375,6 @@ def memory_needs(config, dtype: torch.dtype, name: str = "ar", drafting: DraftCo
                         prefetch=DEFAULT_PREFETCH if prefetch is None else prefetch, prefetch_fixed=prefetch is not None,
                         prompt_tokens=prompt_tokens, prompt_captures=False)  # an adapter's needs set it
     entry.needs(needs, config, held, d)
+    if prompt_tokens is None:  # a prompt of any length up to the context: it runs in chunks where nothing captures
+        needs.prompt_chunk = PROMPT_CHUNK
     return needs

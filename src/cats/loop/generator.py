@@ -162,10 +162,19 @@ class Generator:
 
     def _prefill(self, state: DecodeState) -> torch.Tensor:
         """Run the prompt through all layers (stopping at the layers whose states the drafter wants) and return
-        the target's logits ``[V]`` for the first new token; the lm_head runs on the last position only."""
-        model = self.model
+        the target's logits ``[V]`` for the first new token; the lm_head runs on the last position only. Where the
+        memory plan prices the prompt in chunks (`MemoryNeeds.prompt_chunk`: no layer's states wanted), it runs
+        that many tokens a forward, each after the ones before it in the cache: the same logits and cache (the
+        kernels are row-invariant), one more sweep of the streamed layers per chunk."""
+        model, plan = self.model, self.model.memory_plan
         components = ([self.drafter] if self.drafter else []) + [self.scorer]
         wanted = sorted({layer for component in components for layer in component.prefill_layers})
+        chunk = plan.needs.prompt_chunk if plan is not None and not plan.needs.prompt_captures and not wanted else 0
+        if chunk:
+            for begin in range(0, len(state.token_ids), chunk):
+                tokens = torch.tensor(state.token_ids[begin: begin + chunk])
+                hidden = model.forward_layers(model.embed(tokens), 0, model.num_layers, state.cache)
+            return model.head(hidden[0, -1])
         hidden, start, captured = model.embed(torch.tensor(state.token_ids)), 0, {}
         for stop in sorted(set(wanted) | {model.num_layers}):
             hidden = model.forward_layers(hidden, start, stop, state.cache)

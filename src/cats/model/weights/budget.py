@@ -14,8 +14,8 @@ The streamed layers are the deepest ones, ``[R, L)``, unless the method drafts b
 the model has a calibrated stream order (``MemoryNeeds.stream_order``, `cats.model.weights.stream_order`): then they
 are the first ``L - R`` layers of that order, the layers its draft skips best, and the lm_head may stream too, all but
 the rows of the draft's vocabulary (``MemoryNeeds.head_draft_rows``, `cats.model.streamed_head`), where
-`skip_draft_rate` rates that plan higher. Either way every forward pass reads
-them in one ascending sweep, once per verification pass, however many tokens the pass verifies. Every byte count
+`skip_draft_rate` rates that plan higher. Either way every forward pass reads them in one ascending sweep, once per
+verification pass, however many tokens the pass verifies. Every byte count
 comes from the model's real parameter sizes (`PartSizes.of`); KV cache and activations are estimates from the config
 (`cats.model.weights.transient`). A budget below the minimum is refused with a message that names the minimum.
 """
@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from cats.errors import InvalidArgumentError
 from cats.model.kernels.gguf_modules import GGUFLinear, GGUFRows
 from cats.model.weights.skip_rate import skip_draft_rate
+from cats.model.weights.transient import prompt_text
 
 KIB, MIB, GIB, TIB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 UNITS = {
@@ -202,14 +203,16 @@ class MemoryNeeds:
     # to commit more tokens per time (`skip_draft_rate`); 0: the head stays resident
     draft_tokens: int = 4  # with head_draft_rows: the skip draft's chain length, for that estimate
     prompt_captures: bool = True  # a drafter keeps layers' states of the prompt: its prefill holds more (`transient`)
+    prompt_chunk: int = 0  # without captures: a prompt runs (and is priced) this many tokens a forward; 0: all at once
 
     def validate(self, num_layers: int) -> None:
         if self.context_tokens < 1:
             raise InvalidArgumentError(f"context_tokens must be at least 1, got {self.context_tokens}")
         if not 0 <= self.min_resident_layers <= num_layers:
             raise InvalidArgumentError(f"min_resident_layers must lie in [0, {num_layers}], got {self.min_resident_layers}")
-        if self.prefetch < 0:
-            raise InvalidArgumentError(f"prefetch must not be negative, got {self.prefetch}")
+        if self.prefetch < 0 or self.prompt_chunk < 0:
+            raise InvalidArgumentError(f"prefetch and prompt_chunk must not be negative, got {self.prefetch} and "
+                                       f"{self.prompt_chunk}")
         if self.max_tree_tokens < 1:
             raise InvalidArgumentError(f"max_tree_tokens must be at least 1, got {self.max_tree_tokens}")
         if self.prompt_tokens is not None and not 1 <= self.prompt_tokens <= self.context_tokens:
@@ -371,8 +374,8 @@ class MemoryPlan:
         if self.needs.drafter_bytes:
             rows.append(("drafter tables", self.needs.drafter_bytes))
         rows += [(f"KV cache ({self.needs.context_tokens} + {self.needs.max_tree_tokens} tokens)", self.kv_bytes),
-                 (f"activations ({self.needs.max_tree_tokens}-token pass or "
-                  f"{self.needs.prompt_tokens or self.needs.context_tokens}-token prompt)", self.activation_bytes),
+                 (f"activations ({self.needs.max_tree_tokens}-token pass or {prompt_text(self.needs)})",
+                  self.activation_bytes),
                  (f"resident layers {layer_ranges(self.resident)}", self.resident_layer_bytes)]
         if self.pool_slots:
             rows.append((f"stream buffers ({self.pool_slots} x {mib(self.slot_bytes)})",
@@ -454,17 +457,15 @@ def plan_memory(budget: int, parts: PartSizes, needs: MemoryNeeds, kv_bytes: int
     through one when the budget cannot hold the minimum with two.
 
     With ``needs.head_draft_rows`` (a skip draft over a stream order) on a head that streams (``parts.head_streams``)
-    the plan with the lm_head
-    streamed is made too, and the one `skip_draft_rate` rates higher is kept: the head's bytes then hold more
-    layers, so the skip draft skips fewer and agrees more, for the head's read on every pass."""
+    the plan with the lm_head streamed is made too, and the one `skip_draft_rate` rates higher is kept: the head's
+    bytes then hold more layers, so the skip draft skips fewer and agrees more, for the head's read on every pass."""
     needs.validate(len(parts.layers))
     variants = (False, True) if needs.head_draft_rows and parts.head_streams and needs.stream_order else (False,)
     fitted = {head: _fit(budget, parts, needs, kv_bytes, activation, head) for head in variants}
     minimum = min(_lowest(parts, needs, kv_bytes, activation, head).planned_bytes for head in variants)
     kept, streaming = fitted[False], fitted.get(True)
     chosen = kept
-    if streaming is not None and (kept is None or (
-            kept.streamed and skip_draft_rate(streaming) > skip_draft_rate(kept))):
+    if streaming is not None and (kept is None or (kept.streamed and skip_draft_rate(streaming) > skip_draft_rate(kept))):
         chosen = streaming
     if chosen is not None:
         chosen.minimum = minimum

@@ -46,7 +46,7 @@ from cats.model.weights.store import (
 )
 from cats.model.weights.stream import IO_MODES, LayerStreamer, store_layouts
 from cats.model.weights.stream_order import apply_stream_order
-from cats.model.weights.transient import activation_bytes, kv_cache_bytes
+from cats.model.weights.transient import activation_bytes, kv_cache_bytes, prompt_forward_tokens
 
 
 def plan_for(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: list[int] | None = None) -> MemoryPlan:
@@ -129,10 +129,10 @@ def _plan(hf_model, budget: str | int, needs: MemoryNeeds, stored_layers: list[i
     # a decode pass over the largest tree (logits for every node), or the prefill (logits for one row): on the
     # whole-layer kernel where a model on GGUF blocks runs every forward on it (a pass, tens of tokens, is priced
     # as through the modules all the same: its logits dominate, and its heap is measured close to that estimate)
-    prompt = needs.prompt_tokens or needs.context_tokens
+    prompt, call = prompt_forward_tokens(needs)  # the prompt's last forward holds the most: the whole context
     fused = isinstance(embed, GGUFRows) and whole_layer_forward(hf_model.model.layers, compute_dtype)
     activation = max(activation_bytes(config, itemsize, needs.max_tree_tokens, needs.context_tokens),
-                     activation_bytes(config, itemsize, prompt, 0, logit_rows=1, fused=fused,
+                     activation_bytes(config, itemsize, call, prompt - call, logit_rows=1, fused=fused,
                                       captures=needs.prompt_captures))
     return plan_memory(parse_budget(budget, parts.weights), parts, needs, kv, activation)
 

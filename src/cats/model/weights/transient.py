@@ -21,6 +21,9 @@ PROMPT_COPIES = 4  # on the whole-layer kernel, a prompt that no drafter capture
 # kernel's in-place copy, the final states, one spare. Measured on Qwen2.5-Coder-1.5B's GGUF (2026-12-06, `ar` and
 # `dytc` under a budget, the high-water above the KV cache written, less the mask): 0.9-3.1 copies at 200-2,000 tokens;
 # with the EAGLE-3 head's captures (three layers' states, fused) ~76 MiB at 1,400 tokens, within the 8 copies' 87
+PROMPT_CHUNK = 512  # tokens a forward of a prompt whose length the plan cannot know (`cats serve`, `cats chat`) takes
+# under a budget where no drafter keeps its states (`MemoryNeeds.prompt_chunk`): its activations are priced for this
+# many; a longer prompt costs one more sweep of the streamed layers per chunk (llama.cpp's default micro-batch)
 LOGIT_COPIES = 3  # a pass's float32 logits, and what sampling and the drafters hold beside them: on SmolLM2 (float
 # path, 17-token passes, 2026-12-06) a greedy one peaked at 1.8 rows of V per token, a sampled EAGLE tree at 3.4
 
@@ -68,3 +71,16 @@ def activation_bytes(config, itemsize: int, tokens: int, context_tokens: int, lo
                    + 2 * heads * ctx * head_dim + 2 * heads * t * ctx + t * ctx) * itemsize
     logits = LOGIT_COPIES * (t if logit_rows is None else logit_rows) * config.vocab_size * 4
     return forward + logits
+
+
+def prompt_forward_tokens(needs) -> tuple[int, int]:
+    """``(prompt, tokens one forward of it takes)`` for a `MemoryNeeds`: the longest prompt (the context where it is
+    not known) and ``prompt_chunk`` of it where that applies (no drafter keeps the prompt's states), else all."""
+    prompt = needs.prompt_tokens or needs.context_tokens
+    return prompt, min(prompt, needs.prompt_chunk) if needs.prompt_chunk and not needs.prompt_captures else prompt
+
+
+def prompt_text(needs) -> str:
+    """The prompt a plan prices, e.g. ``2048-token prompt, 512 a forward``."""
+    prompt, chunk = prompt_forward_tokens(needs)
+    return f"{prompt}-token prompt" + (f", {chunk} a forward" if chunk < prompt else "")
