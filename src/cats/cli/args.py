@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 
 from cats.api import generator_for
-from cats.config import KERNEL_CHOICES, DraftConfig, MemoryConfig
+from cats.config import KERNEL_CHOICES, DraftConfig, KernelConfig, MemoryConfig
 from cats.errors import InvalidArgumentError
 from cats.methods import check_method, help_text
-from cats.paths import HUB_DEFAULT
+from cats.paths import HUB_DEFAULT, default_model
 
 
 def integer(text: str) -> int:
@@ -120,6 +120,15 @@ def drafting_from_args(args) -> DraftConfig:
                        adapters=args.adapters, threshold=args.threshold, tree_topk=args.tree_topk,
                        total_tokens=args.total_tokens, depth=args.depth, sparsity=args.sparsity,
                        sv_threshold=args.sv_threshold, sv_passes=args.sv_passes)
+
+
+def load_settings(args) -> tuple[str, str, DraftConfig, KernelConfig]:
+    """``(model source, method, drafting, kernels)`` of ``args``, checked: bad settings fail before anything loads."""
+    method, drafting = method_from_args(args), drafting_from_args(args)
+    drafting.validate()
+    kernels = KernelConfig(dtype=args.dtype, pack_weights=args.pack_weights, kernels=args.kernels)
+    kernels.validate()
+    return args.model or default_model(), method, drafting, kernels
 
 
 def build_generator(args, model):

@@ -14,16 +14,14 @@ from cats.cli.args import (
     add_sampling_arguments,
     build_generator,
     check_memory_flags,
-    drafting_from_args,
     integer,
+    load_settings,
     memory_from_args,
-    method_from_args,
     sampling_config,
 )
-from cats.config import GenerationConfig, KernelConfig
+from cats.config import GenerationConfig
 from cats.errors import InvalidArgumentError
 from cats.model.source import load_tokenizer
-from cats.paths import default_model
 from cats.prompts import encode_prompt, encode_with
 from cats.verify.acceptance import TYPICAL_NEEDS_DRAFTS
 
@@ -76,14 +74,9 @@ def run_generate(args) -> int:
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
                               **sampling_config(args))
     config.validate()  # fail on bad arguments before the model loads
-    method = method_from_args(args)
+    source, method, drafting, kernels = load_settings(args)
     if method == "ar" and config.acceptance == "typical":
         raise InvalidArgumentError(TYPICAL_NEEDS_DRAFTS)
-    drafting = drafting_from_args(args)
-    drafting.validate()
-    kernels = KernelConfig(dtype=args.dtype, pack_weights=args.pack_weights, kernels=args.kernels)
-    kernels.validate()
-    source = args.model or default_model()
     if args.memory_budget is None:
         check_memory_flags(args)
         model = load(source, kernels)

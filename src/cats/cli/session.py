@@ -8,19 +8,10 @@ import argparse
 import sys
 
 from cats.api import load, prepare
-from cats.cli.args import (
-    add_memory_arguments,
-    check_memory_flags,
-    drafting_from_args,
-    integer,
-    memory_from_args,
-    method_from_args,
-)
-from cats.config import KernelConfig
+from cats.cli.args import add_memory_arguments, check_memory_flags, integer, load_settings, memory_from_args
 from cats.errors import InvalidArgumentError
 from cats.model import LayeredModel
 from cats.model.source import load_tokenizer
-from cats.paths import default_model
 
 
 def add_session_memory_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,11 +26,7 @@ def add_session_memory_arguments(parser: argparse.ArgumentParser) -> None:
 def load_for_session(args) -> LayeredModel:
     """The model of ``args`` (``--model`` or the default), loaded as its kernel, method and memory arguments ask;
     under a budget the plan is printed to stderr. Bad settings fail before anything loads."""
-    method, drafting = method_from_args(args), drafting_from_args(args)
-    drafting.validate()
-    kernels = KernelConfig(dtype=args.dtype, pack_weights=args.pack_weights, kernels=args.kernels)
-    kernels.validate()
-    source = args.model or default_model()
+    source, method, drafting, kernels = load_settings(args)
     if args.memory_budget is None:
         check_memory_flags(args)
         return load(source, kernels)
