@@ -359,6 +359,8 @@ def test_cats_serve_plans_its_memory_budget_for_max_context_tokens(model_dir, tm
     base = ["serve", "--model", str(model_dir), "--method", "pld", "--port", "0"]
     assert main(base + ["--max-context", "64"]) == 2
     assert "--max-context applies with --memory-budget only" in capsys.readouterr().err
+    assert main(base + ["--memory-budget", "1.5MiB+332MiB", "--max-context", "4096"]) == 2 and not served
+    assert "longer than the model's context window of 2048 tokens" in capsys.readouterr().err
     assert main(base + ["--memory-budget", "1.5MiB+332MiB", "--max-context", "64"]) == 0 and served["ran"]
     model = served["engine"].model
     assert model.memory_plan.streamed and model.usable_context == 64

@@ -57,6 +57,13 @@ def load(model: str | os.PathLike, kernels: KernelConfig | None = None, memory: 
     return prepare(model, method, drafting, memory, kernels, context_tokens=context_tokens, tokenizer=tokenizer)
 
 
+def context_window(model: str | os.PathLike) -> int:
+    """The context window ``model``'s config declares (``max_position_embeddings``; 0 where it declares none), read
+    without loading any weight."""
+    _check_source(model)
+    return int(getattr(AutoConfig.from_pretrained(config_folder(model)), "max_position_embeddings", 0) or 0)
+
+
 def prepare(model: str | os.PathLike | LayeredModel, method: str, drafting: DraftConfig | None, memory: MemoryConfig,
             kernels: KernelConfig | None = None, context_tokens: int | None = None, tokenizer=None,
             prompt_tokens: int | None = None) -> LayeredModel:
