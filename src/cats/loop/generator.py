@@ -23,6 +23,7 @@ from cats.loop.stats import GenerationStats
 from cats.loop.text import StopStrings
 from cats.model import LayeredModel
 from cats.model.weights.rss import page_cache_bytes, peak_rss_bytes
+from cats.model.weights.transient import prompt_chunk
 from cats.prompts import check_token_ids
 from cats.sampling import Sampler
 from cats.verify.acceptance import TYPICAL_NEEDS_DRAFTS, make_acceptance
@@ -169,7 +170,7 @@ class Generator:
         model, plan = self.model, self.model.memory_plan
         components = ([self.drafter] if self.drafter else []) + [self.scorer]
         wanted = sorted({layer for component in components for layer in component.prefill_layers})
-        chunk = plan.needs.prompt_chunk if plan is not None and not plan.needs.prompt_captures and not wanted else 0
+        chunk = prompt_chunk(plan.needs) if plan is not None and not wanted else 0
         if chunk:
             for begin in range(0, len(state.token_ids), chunk):
                 tokens = torch.tensor(state.token_ids[begin: begin + chunk])

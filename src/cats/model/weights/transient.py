@@ -73,11 +73,17 @@ def activation_bytes(config, itemsize: int, tokens: int, context_tokens: int, lo
     return forward + logits
 
 
+def prompt_chunk(needs) -> int:
+    """Tokens a prompt runs a forward under a `MemoryNeeds`: its ``prompt_chunk`` where that applies (no drafter
+    keeps the prompt's states), 0 = all at once."""
+    return 0 if needs.prompt_captures else needs.prompt_chunk
+
+
 def prompt_forward_tokens(needs) -> tuple[int, int]:
     """``(prompt, tokens one forward of it takes)`` for a `MemoryNeeds`: the longest prompt (the context where it is
-    not known) and ``prompt_chunk`` of it where that applies (no drafter keeps the prompt's states), else all."""
-    prompt = needs.prompt_tokens or needs.context_tokens
-    return prompt, min(prompt, needs.prompt_chunk) if needs.prompt_chunk and not needs.prompt_captures else prompt
+    not known) and `prompt_chunk` of it, or all of it."""
+    prompt, chunk = needs.prompt_tokens or needs.context_tokens, prompt_chunk(needs)
+    return prompt, min(prompt, chunk) if chunk else prompt
 
 
 def prompt_text(needs) -> str:
