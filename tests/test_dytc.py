@@ -486,6 +486,10 @@ def test_dytc_method_calibrates_once_and_reports(tmp_path, monkeypatch):
     assert (tmp_path / "skip-sets").is_dir()
     layer_skip = make_drafter("layer-skip", model, DraftConfig(sparsity=0.6))
     assert layer_skip.skip == drafter.options["ls0.6<pld"].drafter.skip and layer_skip.agreement is not None
+    assert layer_skip.tree_topk == 1 and layer_skip.num_tokens == 4  # a chain unless told
+    skip_tree = make_drafter("layer-skip", model, DraftConfig(sparsity=0.6, tree_topk=3, depth=4))
+    assert (skip_tree.tree_topk, skip_tree.num_tokens, skip_tree.total_tokens) == (3, 4, 16)
+    assert skip_tree.describe()["depth"] == 4 and "num_tokens" not in skip_tree.describe()
     prompt = [5, 6, 7, 8] * 4
     result = Generator(model, drafter).generate(prompt, GenerationConfig(max_new_tokens=30))
     assert result.token_ids == hf_greedy(model, prompt, 30)

@@ -1,5 +1,6 @@
-"""Layer skipping: sublayer split, losslessness on every family (plain, prompt-lookup cascade, layer-skip cascade),
-and the KV-cache contract (every layer holds exactly the target's K/V of the committed tokens at every step)."""
+"""Layer skipping: sublayer split, losslessness on every family (plain, prompt-lookup cascade, layer-skip cascade,
+trees), the KV-cache contract (every layer holds exactly the target's K/V of the committed tokens at every step), and
+trees grown from the skip model's own top-k."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from cats.draft import LayerSkipDrafter, PromptLookupDrafter, SkipSet
-from cats.draft.layer_skip.drafter import split_layer
+from cats.draft.base import DecodeState
+from cats.draft.layer_skip.drafter import SkipModel, split_layer
 from cats.errors import InvalidArgumentError
 from cats.config import GenerationConfig
 from cats.loop.generator import Generator
@@ -29,6 +31,9 @@ def drafters(model):
     helper = LayerSkipDrafter(model, sparse, num_tokens=6, assist=PromptLookupDrafter(num_tokens=8))
     yield LayerSkipDrafter(model, SkipSet(mlp=(3,)), num_tokens=5, assist=helper)
     yield LayerSkipDrafter(model, SkipSet(attention=(0, 1, 2, 3)), num_tokens=3, threshold=0.2)  # no attention at all
+    yield LayerSkipDrafter(model, dense, num_tokens=5, tree_topk=2, total_tokens=9)
+    yield LayerSkipDrafter(model, sparse, num_tokens=4, tree_topk=3, total_tokens=12, threshold=0.05)
+    yield LayerSkipDrafter(model, SkipSet(attention=(0, 1, 2, 3)), num_tokens=3, tree_topk=2)  # no attention at all
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -77,14 +82,18 @@ def test_assist_saves_skip_model_forwards():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2-swa", "gemma3"])
-def test_cache_holds_the_targets_kv_at_every_step(family):
+@pytest.mark.parametrize("shape", ["assisted chain", "tree"])
+def test_cache_holds_the_targets_kv_at_every_step(family, shape):
     """Before and after every draft, every cache layer holds exactly the committed tokens with the K/V the target
     computes for them (compared with one full forward over the final sequence)."""
     model = tiny_model(family, damp=0.1)
     prompt = prompts()[1]
-    helper = LayerSkipDrafter(model, SkipSet(attention=(1, 2), mlp=(2, 3)), num_tokens=5,
-                              assist=PromptLookupDrafter(num_tokens=6))
-    drafter = LayerSkipDrafter(model, SkipSet(attention=(2,), mlp=(1,)), num_tokens=5, assist=helper)
+    if shape == "tree":
+        drafter = LayerSkipDrafter(model, SkipSet(attention=(2,), mlp=(1,)), num_tokens=4, tree_topk=3, total_tokens=10)
+    else:
+        helper = LayerSkipDrafter(model, SkipSet(attention=(1, 2), mlp=(2, 3)), num_tokens=5,
+                                  assist=PromptLookupDrafter(num_tokens=6))
+        drafter = LayerSkipDrafter(model, SkipSet(attention=(2,), mlp=(1,)), num_tokens=5, assist=helper)
     snapshots = []
     original = drafter.propose
 
@@ -110,6 +119,50 @@ def test_cache_holds_the_targets_kv_at_every_step(family):
             assert torch.allclose(values, ref.values[..., :length, :], atol=1e-10, rtol=0), (length, i)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_tree_holds_the_skip_models_top_k_after_each_expanded_node(family):
+    """Every node of a tree with children in it is followed by some of the skip model's top-k tokens after that
+    node's own path, computed afresh on the whole sequence (no draft slots, no tree mask): the tree's masks and
+    positions give each node the skip model's view of its own path."""
+    model = tiny_model(family, damp=0.1)
+    skip = SkipSet(attention=(2,), mlp=(1,))
+    drafter = LayerSkipDrafter(model, skip, num_tokens=4, tree_topk=3, total_tokens=10)
+    prompt = prompts()[0]
+    state = _state(model, prompt)
+    proposal = drafter.propose(state, 8)
+    tokens, parents = proposal.tokens.tolist(), proposal.parents.tolist()
+    assert len(tokens) == 10 and proposal.is_tree and proposal.logits is None and proposal.hidden is None
+    assert state.cache.lengths() == [len(prompt) - 1] * model.num_layers  # as it was: x stays pending
+
+    def path(node):
+        return [] if node < 0 else path(parents[node]) + [tokens[node]]
+
+    def log_probs(sequence):  # the skip model over the whole sequence, from an empty cache
+        cache = model.new_cache()
+        hidden = SkipModel(model, skip).forward(torch.tensor(sequence), cache, torch.arange(len(sequence)))
+        return torch.log_softmax(model.head(hidden[0, -1]).float(), -1)
+
+    reached = set()
+    for node in [-1] + list(range(len(tokens))):
+        children = [i for i, p in enumerate(parents) if p == node]
+        if not children:
+            continue
+        with torch.inference_mode():
+            top = log_probs(prompt + path(node)).topk(3).indices.tolist()
+        assert {tokens[i] for i in children} <= set(top), (node, [tokens[i] for i in children], top)
+        reached.update(children)
+    assert reached == set(range(len(tokens)))  # parents precede their children
+    assert all(parents[i] < i for i in range(len(tokens)))
+    deepest = max(len(path(i)) for i in range(len(tokens)))
+    assert 2 <= deepest <= 4
+
+
+def _state(model, prompt):
+    cache = model.new_cache()
+    model.forward_layers(model.embed(torch.tensor(prompt[:-1])), 0, model.num_layers, cache)
+    return DecodeState(model, cache, list(prompt), len(prompt))
+
+
 def _snapshot(cache):
     return [(layer.keys.clone(), layer.values.clone()) for layer in cache.hf_cache.layers]
 
@@ -124,6 +177,10 @@ def test_bad_skip_sets_and_assists_are_refused():
         LayerSkipDrafter(model, SkipSet(mlp=(1,)), assist=EarlyExitDrafter(model, layer=1))
     with pytest.raises(InvalidArgumentError, match="num_tokens >= 1"):
         LayerSkipDrafter(model, SkipSet(mlp=(1,)), num_tokens=0)
+    with pytest.raises(InvalidArgumentError, match="takes no assist"):
+        LayerSkipDrafter(model, SkipSet(mlp=(1,)), tree_topk=2, assist=PromptLookupDrafter(num_tokens=4))
+    with pytest.raises(InvalidArgumentError, match="tree_topk and total_tokens >= 1"):
+        LayerSkipDrafter(model, SkipSet(mlp=(1,)), tree_topk=0)
     skip = SkipSet(attention=(3, 1, 1), mlp=(0,))
     assert skip.attention == (1, 3) and skip.sublayers() == [1, 2, 6] and SkipSet.from_sublayers([1, 2, 6]) == skip
     assert skip.sparsity(4) == 3 / 8 and SkipSet.from_dict(skip.to_dict()) == skip

@@ -124,6 +124,12 @@ def test_memory_needs_per_method(tmp_path):
     assert dytc.skip_streamed and not memory_needs(config, dtype, "pld").skip_streamed
     skip = memory_needs(config, dtype, "layer-skip", DraftConfig(num_draft_tokens=3))
     assert (skip.min_resident_layers, skip.max_tree_tokens, skip.skip_streamed) == (1, 4, True)
+    skip_tree = memory_needs(config, dtype, "layer-skip", DraftConfig(tree_topk=2, total_tokens=12, depth=5))
+    assert skip_tree.max_tree_tokens == 13 and skip_tree.draft_tokens == 5  # a read-out of the draft rows per depth
+    for shape, message in ((DraftConfig(depth=5), "--depth and --total-tokens shape its trees only"),
+                           (DraftConfig(tree_topk=2, num_draft_tokens=5), "length is --depth")):
+        with pytest.raises(InvalidArgumentError, match=message):
+            memory_needs(config, dtype, "layer-skip", shape)
     # the prompt's states are kept only for adapters, which run on them (the prefill is priced with more copies)
     assert not any(memory_needs(config, dtype, name).prompt_captures
                    for name in ("ar", "pld", "recycle", "layer-skip", "dytc", "tree"))

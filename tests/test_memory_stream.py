@@ -243,6 +243,12 @@ def test_cli_prints_the_plan_and_streaming_stats(capsys, monkeypatch):
     assert "below the minimum of" in capsys.readouterr().err
     assert main(args + ["--prefetch", "1"]) == 2
     assert "--prefetch applies with --memory-budget only" in capsys.readouterr().err
+    # the KV cache is planned for the context window at most: a generation ends there whatever --max-new-tokens says
+    assert main(args + ["--memory-budget", "95%+332MiB", "--max-context", "2049"]) == 2
+    assert "longer than the model's context window of 2048 tokens" in capsys.readouterr().err
+    long = [a if a != "12" else "100000" for a in args]
+    assert main(long + ["--memory-budget", "95%+340MiB", "--stop", "."]) == 0
+    assert "KV cache (2048 + 3 tokens)" in capsys.readouterr().err
 
 
 def test_generate_api_under_a_budget(tmp_path):

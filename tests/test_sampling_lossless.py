@@ -119,7 +119,7 @@ def test_same_seed_same_output_for_every_method(damped):
 
 
 def test_deterministic_drafts_reproduce_plain_sampling_token_for_token(damped):
-    """Drafts chosen deterministically (prompt lookup, layer skipping, DyTC, whose timing-driven choices vary from run
+    """Drafts chosen deterministically (prompt lookup, layer skipping's chains and trees, DyTC, whose timing-driven choices vary from run
     to run) are one-hot candidates: the target's samples are keyed by seed and position, so the output is exactly
     plain sampling's for the same seed."""
     from cats.draft import LayerSkipDrafter, SkipSet
@@ -133,6 +133,7 @@ def test_deterministic_drafts_reproduce_plain_sampling_token_for_token(damped):
                DraftOption("chain", EarlyExitDrafter(damped, adapter=adapter, num_tokens=4), 4, 0.8, 0.4),
                DraftOption("tree", TreeDrafter(damped, adapter=adapter, tree_topk=2, total_tokens=6, depth=3), 6, 0.8,
                            0.3, tree=True)]
+    skip_tree = LayerSkipDrafter(damped, SkipSet(attention=(2,), mlp=(1,)), num_tokens=3, tree_topk=2, total_tokens=6)
     timed = DyTCDrafter(options, lookup=PromptLookupDrafter(num_tokens=6), lookahead_tokens=3)
     forced = cycling(DyTCDrafter(options, lookup=PromptLookupDrafter(num_tokens=6), lookahead_tokens=3))
     accepted, chosen = {}, {}
@@ -140,15 +141,15 @@ def test_deterministic_drafts_reproduce_plain_sampling_token_for_token(damped):
         for seed in (1, 2):
             config = GenerationConfig(max_new_tokens=24, ignore_eos=True, seed=seed, **warping)
             expected = Generator(damped).generate(PROMPT, config).token_ids
-            for name, drafter in (("pld", PromptLookupDrafter(num_tokens=3)), ("skip", skip), ("timed", timed),
-                                  ("forced", forced)):
+            for name, drafter in (("pld", PromptLookupDrafter(num_tokens=3)), ("skip", skip), ("skip-tree", skip_tree),
+                                  ("timed", timed), ("forced", forced)):
                 result = Generator(damped, drafter).generate(PROMPT, config)
                 assert result.token_ids == expected, (name, seed, warping)
                 accepted[name] = accepted.get(name, 0) + result.stats.accepted_draft_tokens
                 if name == "forced":
                     for key, count in result.stats.scheduler["choices"].items():
                         chosen[key] = chosen.get(key, 0) + count
-    assert accepted["skip"] > 0 and accepted["timed"] > 0 and accepted["forced"] > 0, accepted  # not vacuous
+    assert all(accepted[name] > 0 for name in ("skip", "skip-tree", "timed", "forced")), accepted  # not vacuous
     assert all(chosen[key] > 0 for key in ("skip", "chain", "tree")), chosen  # the adapter drafts ran too
 
 

@@ -12,9 +12,12 @@ from cats.config import DraftConfig
 from cats.draft.dytc.build import pass_sizes as dytc_pass_sizes
 from cats.draft.eagle import TOTAL_TOKENS as EAGLE_TOKENS
 from cats.draft.layer_skip.drafter import NUM_TOKENS as LAYER_SKIP_TOKENS
+from cats.draft.layer_skip.drafter import TREE_DEPTH as LAYER_SKIP_TREE_DEPTH
+from cats.draft.layer_skip.drafter import TREE_TOKENS as LAYER_SKIP_TREE_TOKENS
 from cats.draft.recycle import TOTAL_TOKENS as RECYCLE_TOKENS
 from cats.draft.recycle import table_bytes as recycle_table_bytes
 from cats.draft.sizing import BUCKETS, pass_tokens
+from cats.errors import InvalidArgumentError
 from cats.model.adapter import find_adapter, find_draft_adapter, read_adapter_config
 from cats.model.eagle3 import find_eagle3_folder
 from cats.model.kernels.gguf_modules import STORED_FLOAT_TYPES
@@ -152,12 +155,28 @@ def cats_needs(needs, config, held, d):
     tree_needs(needs, config, held, d, shallow=True)
 
 
+def layer_skip_shape(d: DraftConfig) -> dict:
+    """layer-skip's draft shape: a chain of ``--num-draft-tokens``, or with ``--tree-topk`` above 1 a tree of
+    ``--depth`` levels and ``--total-tokens`` nodes."""
+    tree_topk = d.tree_topk or 1
+    if tree_topk == 1:
+        if d.depth is not None or d.total_tokens is not None:
+            raise InvalidArgumentError("layer-skip drafts a chain of --num-draft-tokens unless --tree-topk is above 1: "
+                                       "--depth and --total-tokens shape its trees only")
+        return {"num_tokens": d.num_draft_tokens or LAYER_SKIP_TOKENS}
+    if d.num_draft_tokens is not None:
+        raise InvalidArgumentError("a layer-skip tree's length is --depth (--num-draft-tokens is its chain's)")
+    depth = d.depth or LAYER_SKIP_TREE_DEPTH
+    return {"num_tokens": depth, "tree_topk": tree_topk, "total_tokens": d.total_tokens or LAYER_SKIP_TREE_TOKENS}
+
+
 def layer_skip_needs(needs, config, held, d):  # under a budget it skips the streamed layers (`_layer_skip`)
     _adapter_needs(needs, config, held, d)
     needs.min_resident_layers = 1  # as dytc's: layer 0 is the layer a draft can least do without
     needs.skip_streamed = True
-    needs.max_tree_tokens = (d.num_draft_tokens or LAYER_SKIP_TOKENS) + 1
-    _streamed_head_needs(needs, config, d.num_draft_tokens or LAYER_SKIP_TOKENS)
+    shape = layer_skip_shape(d)
+    needs.max_tree_tokens = shape.get("total_tokens", shape["num_tokens"]) + 1
+    _streamed_head_needs(needs, config, shape["num_tokens"])  # one read-out per depth
 
 
 def _streamed_head_needs(needs, config, draft_tokens: int) -> None:

@@ -53,6 +53,7 @@ from cats.method_needs import (
     eagle_needs,
     early_exit_needs,
     layer_skip_needs,
+    layer_skip_shape,
     no_needs,
     pld_needs,
     recycle_needs,
@@ -112,11 +113,13 @@ def _feature_adapter(adapters: str | None, model: LayeredModel):
 
 
 def make_layer_skip(model: LayeredModel, sparsity: float, num_tokens: int = LAYER_SKIP_TOKENS, threshold: float = 0.0,
-                    assist: Drafter | None = None, progress: bool = True) -> LayerSkipDrafter:
+                    assist: Drafter | None = None, progress: bool = True, tree_topk: int = 1,
+                    total_tokens: int | None = None) -> LayerSkipDrafter:
     """A layer-skip drafter with the model's cached (or newly calibrated) skip set at ``sparsity``."""
     result = load_or_calibrate(model, sparsity, progress=progress)
     return LayerSkipDrafter(model, result.skip, num_tokens=num_tokens, assist=assist, threshold=threshold,
-                            sparsity=sparsity, agreement=result.agreement)
+                            sparsity=sparsity, agreement=result.agreement, tree_topk=tree_topk,
+                            total_tokens=total_tokens)
 
 
 def _no_adapters(name: str, d: DraftConfig) -> None:
@@ -160,13 +163,12 @@ def _layer_skip(model, d: DraftConfig, threshold, progress):
             raise InvalidArgumentError("under a memory budget layer-skip skips the streamed layers; drop --sparsity "
                                        "(the budget decides how many stream)")
         skip, agreement = streamed
-        return LayerSkipDrafter(model, skip, num_tokens=d.num_draft_tokens or LAYER_SKIP_TOKENS,
-                                threshold=threshold, agreement=agreement)
+        return LayerSkipDrafter(model, skip, threshold=threshold, agreement=agreement, **layer_skip_shape(d))
     values = d.sparsities((LAYER_SKIP_SPARSITY,))
     if len(values) != 1:
         raise InvalidArgumentError(f"layer-skip takes one sparsity, got {', '.join(map(str, values))}")
-    return make_layer_skip(model, values[0], num_tokens=d.num_draft_tokens or LAYER_SKIP_TOKENS, threshold=threshold,
-                           progress=progress)
+    return make_layer_skip(model, values[0], threshold=threshold, progress=progress, **layer_skip_shape(d))
+
 
 
 def _dytc(model, d: DraftConfig, threshold, progress):
@@ -288,7 +290,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("cats-no-shallow", "cats without the shallow-verifier cascade", _adapter_tree("cats-no-shallow"),
            tree_needs, _TREE, CONFIDENCE_STOP),
     Method("layer-skip", "calibrated sublayers skipped (under a budget: the streamed layers)", _layer_skip,
-           layer_skip_needs, frozenset({"num_draft_tokens", "threshold", "sparsity"})),
+           layer_skip_needs, frozenset({"num_draft_tokens", "threshold", "sparsity", "tree_topk", "total_tokens",
+                                        "depth"})),
     Method("dytc", "scheduler over prompt lookup, token recycling, layer skipping and, with --adapters, the draft "
            "adapter", _dytc, dytc_needs, frozenset({"num_draft_tokens", "max_ngram", "adapters", "tree_topk",
                                                       "total_tokens", "depth", "sparsity"})),

@@ -44,12 +44,13 @@ def add_pack_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tree-topk", type=integer, default=None, help="tree/cats/eagle: children per expanded node and "
-                        "nodes expanded per depth (1 = a chain; default 4, or chosen from the budget)")
-    parser.add_argument("--total-tokens", type=integer, default=None, help="tree/cats/eagle/recycle: nodes kept for "
-                        "verification (default 16, or chosen from the budget)")
-    parser.add_argument("--depth", type=integer, default=None, help="tree/cats/eagle/recycle: maximum depth (default 5, "
-                        "recycle 6, or chosen from the budget)")
+    parser.add_argument("--tree-topk", type=integer, default=None, help="tree/cats/eagle/layer-skip: children per "
+                        "expanded node and nodes expanded per depth (1 = a chain; default 4, layer-skip 1, or chosen "
+                        "from the budget)")
+    parser.add_argument("--total-tokens", type=integer, default=None, help="tree/cats/eagle/recycle/layer-skip trees: "
+                        "nodes kept for verification (default 16, or chosen from the budget)")
+    parser.add_argument("--depth", type=integer, default=None, help="tree/cats/eagle/recycle/layer-skip trees: maximum "
+                        "depth (default 5, recycle and layer-skip 6, or chosen from the budget)")
     parser.add_argument("--sv-threshold", type=float, default=0.05,  # = cats.verify.cascade.SV_THRESHOLD (a test checks)
                         help="cats: the shallow verifier prunes nodes it gives a probability below this (default 0.05)")
     parser.add_argument("--sv-passes", type=integer, default=1,

@@ -72,7 +72,8 @@ class Generator:
                 "shorten the prompt"
             )
         plan = model.memory_plan
-        if plan is not None and len(prompt_ids) + config.max_new_tokens > plan.needs.context_tokens:
+        # a generation ends where the context window is full, whatever max_new_tokens allows
+        if plan is not None and min(len(prompt_ids) + config.max_new_tokens, model.context_length) > plan.needs.context_tokens:
             raise InvalidArgumentError(
                 f"the memory plan reserved KV cache for {plan.needs.context_tokens} tokens, but the prompt "
                 f"({len(prompt_ids)}) plus max_new_tokens ({config.max_new_tokens}) need more; load the model with "

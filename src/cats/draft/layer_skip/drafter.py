@@ -27,11 +27,20 @@ forwards. A layer-skip assist uses the same cache layers: its caller parks its o
 (`KVCache.split_off`) while the assist runs and restores them afterwards, and the assist first runs the caller's
 drafted tokens through its own skip set (it sees them as context beyond the cache).
 
-Drafts are deterministic (the skip model's argmax): ``Proposal.logits`` is None, as for prompt lookup.
+Trees (``tree_topk`` > 1): grown as in EAGLE-2 (`cats.draft.tree`): per depth, the ``tree_topk`` frontier nodes with
+the highest cumulative draft log-probability run through the skip model at once (one forward of at most
+``tree_topk`` tokens, each attending to the committed slots and its own ancestors' draft slots), and each gets its
+``tree_topk`` most likely children; the ``total_tokens`` best drafted nodes are the tree verified. The cache contract
+is the chain's: every draft slot is cropped before `propose` returns. A tree pays where a pass costs little more
+with more tokens in it: under a memory budget, where every pass reads the streamed layers whatever it verifies.
+
+Drafts are deterministic (the skip model's argmax, or its top-k in a tree): ``Proposal.logits`` is None, as for
+prompt lookup.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -44,6 +53,7 @@ from cats.model import KVCache, LayeredModel
 
 ATTENTION, MLP = "attention", "mlp"
 NUM_TOKENS = 4  # the default draft length
+TREE_DEPTH, TREE_TOKENS = 6, 16  # a tree's default depth and nodes
 
 
 @dataclass(frozen=True)
@@ -173,8 +183,17 @@ class SkipModel:
         return hidden
 
 
+@dataclass
+class _Node:
+    token: int
+    parent: int  # pool index of the parent node, -1 = x
+    depth: int
+    score: float  # cumulative draft log-probability of the path from x to this node
+    slot: int | None = None  # its cache slot while the tree grows, once it ran through the skip model
+
+
 class LayerSkipDrafter(Drafter):
-    """Chain drafts from the skip model (see the module docstring for the cache contract).
+    """Chain or tree drafts from the skip model (see the module docstring for the cache contract).
 
     Args:
         model: the target.
@@ -183,17 +202,28 @@ class LayerSkipDrafter(Drafter):
         assist: a cheaper drafter whose proposals the skip model checks (vertical cascade): a
             `PromptLookupDrafter` or a sparser `LayerSkipDrafter`; None = one skip-model forward per token.
         threshold: confidence stop: after the first drafted token, stop before a token whose draft probability
-            is below this (0 = always draft ``num_tokens``).
+            is below this (0 = always draft ``num_tokens``); a tree stops growing where its best frontier node's
+            cumulative draft probability is below it.
         sparsity: the nominal sparsity the skip set was calibrated for (shown in reports; default its own).
         agreement: the calibrated agreement with the full model (a prior for schedulers; None = unknown).
+        tree_topk: 1 = a chain; more: a tree of depth ``num_tokens``, ``tree_topk`` children per expanded node and
+            ``tree_topk`` nodes expanded per depth (module docstring).
+        total_tokens: a tree's nodes verified (the best by cumulative draft log-probability).
     """
 
     name = "layer-skip"
 
     def __init__(self, model: LayeredModel, skip: SkipSet, num_tokens: int = NUM_TOKENS, assist: Drafter | None = None,
-                 threshold: float = 0.0, sparsity: float | None = None, agreement: float | None = None):
+                 threshold: float = 0.0, sparsity: float | None = None, agreement: float | None = None,
+                 tree_topk: int = 1, total_tokens: int | None = None):
         if num_tokens < 1:
             raise InvalidArgumentError(f"layer skipping needs num_tokens >= 1, got {num_tokens}")
+        if tree_topk < 1 or (total_tokens is not None and total_tokens < 1):
+            raise InvalidArgumentError(f"a layer-skip tree needs tree_topk and total_tokens >= 1, got {tree_topk} and "
+                                       f"{total_tokens}")
+        if tree_topk > 1 and assist is not None:
+            raise InvalidArgumentError("a layer-skip tree drafts every node with the skip model: it takes no assist "
+                                       "(an assist speeds up chains)")
         if not 0.0 <= threshold < 1.0:
             raise InvalidArgumentError(f"the draft confidence threshold must lie in [0, 1), got {threshold}")
         if assist is not None and not isinstance(assist, (PromptLookupDrafter, LayerSkipDrafter)):
@@ -203,6 +233,8 @@ class LayerSkipDrafter(Drafter):
         self.skip, self.num_tokens, self.assist, self.threshold = skip, num_tokens, assist, threshold
         self.sparsity = skip.sparsity(model.num_layers) if sparsity is None else sparsity
         self.agreement = agreement
+        self.tree_topk = tree_topk
+        self.total_tokens = total_tokens if total_tokens is not None else num_tokens * tree_topk
         self.forwards = 0  # skip-model forwards so far (the assist saves some)
 
     @property
@@ -217,6 +249,8 @@ class LayerSkipDrafter(Drafter):
         count = min(self.num_tokens, max_tokens)
         if count <= 0:
             return Proposal.empty()
+        if self.tree_topk > 1:
+            return self.draft_tree(state, count)
         return Proposal(tokens=torch.tensor(self.draft(state, count), dtype=torch.long))
 
     def draft(self, state: DecodeState, count: int) -> list[int]:
@@ -258,6 +292,65 @@ class LayerSkipDrafter(Drafter):
             cache.crop(base, layers)
         return drafted[:count]
 
+    def draft_tree(self, state: DecodeState, depth: int) -> Proposal:
+        """The skip model's tree of at most ``depth`` levels after ``state.token_ids`` (module docstring); every cache
+        layer ends as it started."""
+        cache, layers = state.cache, self.skip_model.attention_layers
+        base, committed = cache.length(0), len(state.token_ids)
+        if any(cache.length(i) != base for i in range(self.model.num_layers)):
+            raise RuntimeError(f"layer-skip drafting needs every target layer to hold the same slots, got {cache}")
+        nodes: list[_Node] = []
+        try:
+            feed = torch.tensor(state.token_ids[base:], dtype=torch.long)
+            hidden = self.skip_model.forward(feed, cache, torch.arange(base, committed))
+            self.forwards += 1
+            frontier = self._children(nodes, self.model.draft_head(hidden[0, -1:]), [-1], depth=1)
+            for level in range(1, depth):
+                frontier = sorted(frontier, key=lambda i: (-nodes[i].score, i))[: self.tree_topk]
+                if not frontier or (self.threshold and math.exp(nodes[frontier[0]].score) < self.threshold):
+                    break
+                past = cache.length(layers[0]) if layers else committed
+                attend = torch.zeros(len(frontier), past + len(frontier), dtype=torch.bool)
+                attend[:, :committed] = True
+                for row, index in enumerate(frontier):
+                    attend[row, past + row] = True
+                    parent = nodes[index].parent
+                    while parent >= 0:
+                        attend[row, nodes[parent].slot] = True
+                        parent = nodes[parent].parent
+                tokens = torch.tensor([nodes[i].token for i in frontier], dtype=torch.long)
+                positions = torch.tensor([committed - 1 + nodes[i].depth for i in frontier])
+                hidden = self.skip_model.forward(tokens, cache, positions, attend)
+                self.forwards += 1
+                for row, index in enumerate(frontier):
+                    nodes[index].slot = past + row
+                frontier = self._children(nodes, self.model.draft_head(hidden[0]), frontier, depth=level + 1)
+        finally:
+            cache.crop(base, layers)
+        # the best `total_tokens` nodes (a child never outscores its parent: the set holds every chosen node's
+        # ancestors), parents before children
+        chosen = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))[: self.total_tokens]
+        order = sorted(chosen, key=lambda i: (nodes[i].depth, i))
+        position = {index: row for row, index in enumerate(order)}
+        return Proposal(tokens=torch.tensor([nodes[i].token for i in order], dtype=torch.long),
+                        parents=torch.tensor([position[nodes[i].parent] if nodes[i].parent >= 0 else -1
+                                               for i in order], dtype=torch.long))
+
+    def _children(self, nodes: list[_Node], logits: torch.Tensor, parents: list[int], depth: int) -> list[int]:
+        """Add the ``tree_topk`` most likely children of each of ``parents`` (pool indices, -1 = x; their draft logits
+        are the rows of ``logits``) to the pool; return their pool indices."""
+        log_probs = torch.log_softmax(logits.float(), -1)
+        top = log_probs.topk(min(self.tree_topk, log_probs.shape[-1]), dim=-1)
+        added = []
+        for parent, values, tokens in zip(parents, top.values.tolist(), top.indices.tolist()):
+            parent_score = nodes[parent].score if parent >= 0 else 0.0
+            for log_prob, token in zip(values, tokens):
+                if log_prob == float("-inf"):  # outside the draft vocabulary while the lm_head streams
+                    continue
+                nodes.append(_Node(token, parent, depth, parent_score + log_prob))
+                added.append(len(nodes) - 1)
+        return added
+
     def _assist(self, state: DecodeState, drafted: list[int], limit: int, base: int) -> list[int]:
         """The assist's proposal for the tokens after ``token_ids + drafted``, at most ``limit`` long."""
         view = DecodeState(state.model, state.cache, list(state.token_ids) + drafted, state.prompt_length)
@@ -276,6 +369,8 @@ class LayerSkipDrafter(Drafter):
             info["agreement"] = round(self.agreement, 4)
         if self.threshold:
             info["threshold"] = self.threshold
+        if self.tree_topk > 1:
+            info.update(tree_topk=self.tree_topk, total_tokens=self.total_tokens, depth=info.pop("num_tokens"))
         if self.assist is not None:
             info["assist"] = self.assist.describe()
         return info
