@@ -10,6 +10,8 @@ Worked example: parents ``[-1, -1, 0, 2]`` is the tree x -> {n0, n1}, n0 -> n2 -
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -75,3 +77,52 @@ def greedy_path(tokens: torch.Tensor, parents: torch.Tensor, target_choice: torc
             return path
         path.append(match)
         current = match
+
+
+# ------------------------------------------------------------------------------------ growing a draft tree
+@dataclass
+class TreeNode:
+    """A drafted node of a tree as it grows (the nodes of a tree are a pool, a list indexed by these numbers)."""
+
+    token: int
+    parent: int  # pool index of the parent node, -1 = x
+    depth: int
+    score: float  # cumulative draft log-probability of the path from x to this node
+    parent_row: int = -1  # row of the draft-logits table holding the distribution this node was drawn from
+    slot: int | None = None  # cache slot once the node ran through the draft layers (it was expanded)
+    hidden: torch.Tensor | None = None  # [H] its state after layer L_d, once computed
+
+
+def add_top_children(nodes: list[TreeNode], logits: torch.Tensor, parents: list[int], depth: int, topk: int,
+                     first_row: int = 0, token_ids=None) -> list[int]:
+    """Add the ``topk`` most likely children of each of ``parents`` (pool indices, -1 = x; their draft logits are
+    the rows of ``logits``, table rows ``first_row ..``) to the pool, in one batched log-softmax and top-k; return
+    the children's pool indices. ``token_ids`` maps the logits' columns to token ids (a draft vocabulary's); a
+    child with no probability left (-inf: a soft-capped head, or a token outside a draft vocabulary) is left out."""
+    log_probs = torch.log_softmax(logits.float(), -1)
+    top = log_probs.topk(min(topk, log_probs.shape[-1]), dim=-1)
+    tokens = top.indices if token_ids is None else token_ids(top.indices)
+    added = []
+    for row, (parent, values, ids) in enumerate(zip(parents, top.values.tolist(), tokens.tolist())):
+        parent_score = nodes[parent].score if parent >= 0 else 0.0
+        for log_prob, token in zip(values, ids):
+            if log_prob == float("-inf"):
+                continue
+            nodes.append(TreeNode(token, parent, depth, parent_score + log_prob, first_row + row))
+            added.append(len(nodes) - 1)
+    return added
+
+
+def node_attend(nodes: list, indices: list[int], past: int, visible: int) -> torch.Tensor:
+    """The mask (``[m, past + m]``) of pool nodes ``indices`` run together after ``past`` cache slots: each sees the
+    first ``visible`` slots (the committed tokens and x), its ancestors' slots and its own. ``nodes``: a pool of
+    nodes with a ``parent`` (pool index, -1 = x) and, once expanded, a ``slot`` (`TreeNode`, or a feature draft's)."""
+    attend = torch.zeros(len(indices), past + len(indices), dtype=torch.bool)
+    attend[:, :visible] = True
+    for row, index in enumerate(indices):
+        attend[row, past + row] = True
+        parent = nodes[index].parent
+        while parent >= 0:
+            attend[row, nodes[parent].slot] = True
+            parent = nodes[parent].parent
+    return attend

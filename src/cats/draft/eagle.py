@@ -38,6 +38,7 @@ from cats.errors import InvalidArgumentError
 from cats.model import LayeredModel
 from cats.model.adapter import Adapter, AdapterError
 from cats.model.eagle3 import Eagle3Head
+from cats.tree import node_attend
 
 TREE_TOPK, TOTAL_TOKENS, DEPTH = 4, 16, 5  # the default tree shape (as method tree's)
 
@@ -140,16 +141,8 @@ class FeatureDrafter(Drafter):
         vocabulary ``[m, V_d]``."""
         cache, layer, fed = state.cache, self.adapter.cache_layer, self._fed
         past = cache.length(layer)
-        attend = torch.zeros(len(indices), past + len(indices), dtype=torch.bool)
-        attend[:, :fed] = True
-        parents = []
-        for row, index in enumerate(indices):
-            attend[row, past + row] = True
-            parent = nodes[index].parent
-            parents.append(root if parent < 0 else nodes[parent].feature)
-            while parent >= 0:
-                attend[row, nodes[parent].slot] = True
-                parent = nodes[parent].parent
+        attend = node_attend(nodes, indices, past, visible=fed)
+        parents = [root if nodes[i].parent < 0 else nodes[nodes[i].parent].feature for i in indices]
         positions = torch.tensor([fed - 1 + nodes[i].depth for i in indices])
         tokens = torch.tensor([nodes[i].token for i in indices])
         out = self.adapter(self.adapter.feature_inputs(torch.stack(parents), tokens)[None], cache,

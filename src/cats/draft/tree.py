@@ -20,7 +20,6 @@ depends on its own value. A drawn child that was not expanded can still be accep
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -29,17 +28,7 @@ from cats.draft.early_exit import EarlyExitDrafter
 from cats.errors import InvalidArgumentError
 from cats.model import LayeredModel
 from cats.model.adapter import Adapter
-
-
-@dataclass
-class _Node:
-    token: int
-    parent: int  # pool index of the parent node, -1 = x
-    depth: int
-    score: float  # cumulative draft log-probability of the path from x to this node
-    parent_row: int  # row of the draft-logits table holding the distribution this node was drawn from
-    slot: int | None = None  # cache slot once the node ran through the draft layers (it was expanded)
-    hidden: torch.Tensor | None = None  # [H] its state after layer L_d, once computed
+from cats.tree import TreeNode, add_top_children, node_attend
 
 
 class TreeDrafter(EarlyExitDrafter):
@@ -71,21 +60,13 @@ class TreeDrafter(EarlyExitDrafter):
         layers = list(range(self.layer))
         return layers + ([self.adapter.cache_layer] if self.adapter is not None else [])
 
-    def _run_nodes(self, nodes: list[_Node], indices: list[int], state: DecodeState, root_slot: int,
+    def _run_nodes(self, nodes: list[TreeNode], indices: list[int], state: DecodeState,
                    full: bool = True) -> torch.Tensor:
         """Run the draft layers (and the adapter) on pool nodes ``indices`` at once; record slots and states; return
         their draft logits ``[m, V]`` (``full=False``: ``[m, V_d]`` over the draft vocabulary)."""
         model, cache = self.model, state.cache
         past, committed = cache.length(0), state.committed_length
-        attend = torch.zeros(len(indices), past + len(indices), dtype=torch.bool)
-        attend[:, : committed] = True
-        attend[:, root_slot] = True
-        for row, index in enumerate(indices):
-            attend[row, past + row] = True
-            parent = nodes[index].parent
-            while parent >= 0:
-                attend[row, nodes[parent].slot] = True
-                parent = nodes[parent].parent
+        attend = node_attend(nodes, indices, past, visible=committed + 1)  # x's slot: committed
         positions = torch.tensor([committed + nodes[i].depth for i in indices])
         tokens = torch.tensor([nodes[i].token for i in indices])
         hidden = model.forward_layers(model.embed(tokens), 0, self.layer, cache, position_ids=positions, attend=attend)
@@ -105,13 +86,13 @@ class TreeDrafter(EarlyExitDrafter):
         root = model.forward_layers(model.embed(torch.tensor([state.token_ids[-1]])), 0, self.layer, cache)
         # draft logits of expanded nodes over the draft vocabulary, one row each; row 0 = x
         tables = [self.draft_rows(root, cache)]
-        nodes: list[_Node] = []
+        nodes: list[TreeNode] = []
         frontier = self._expand(nodes, tables[0], [-1], depth=1, first_row=0)
         for depth in range(1, max_depth):
             frontier = sorted(frontier, key=lambda i: (-nodes[i].score, i))[: self.tree_topk]
             if self.threshold and math.exp(nodes[frontier[0]].score) < self.threshold:
                 break
-            logits = self._run_nodes(nodes, frontier, state, root_slot=committed, full=False)
+            logits = self._run_nodes(nodes, frontier, state, full=False)
             first_row = sum(t.shape[0] for t in tables)
             tables.append(logits)
             frontier = self._expand(nodes, logits, frontier, depth + 1, first_row)
@@ -124,7 +105,7 @@ class TreeDrafter(EarlyExitDrafter):
         for new_slot, index in enumerate(expanded):
             nodes[index].slot = committed + 1 + new_slot
         if leaves:
-            self._run_nodes(nodes, leaves, state, root_slot=committed, full=False)
+            self._run_nodes(nodes, leaves, state, full=False)
         order = expanded + leaves  # parents precede children: leaves hang below expanded nodes
         return self._proposal(nodes, order, tables, root, reduced=True)
 
@@ -133,7 +114,7 @@ class TreeDrafter(EarlyExitDrafter):
         model, cache, committed, sampler = self.model, state.cache, state.committed_length, state.sampler
         root = model.forward_layers(model.embed(torch.tensor([state.token_ids[-1]])), 0, self.layer, cache)
         tables = [self.node_logits(root, cache)]
-        nodes: list[_Node] = []  # every drawn child
+        nodes: list[TreeNode] = []  # every drawn child
         draws: list[tuple[int, list[int], torch.Tensor]] = []  # (parent pool index or -1, children, q)
         frontier = self._draw_children(nodes, draws, sampler.probs(tables[0][0]), -1, 0.0, 1, 0, sampler)
         verified: list[int] = []  # pool indices, in cache-slot order
@@ -142,7 +123,7 @@ class TreeDrafter(EarlyExitDrafter):
             frontier = sorted(frontier, key=lambda i: (-nodes[i].score, i))[:room]
             if not frontier or (depth > 1 and self.threshold and math.exp(nodes[frontier[0]].score) < self.threshold):
                 break
-            logits = self._run_nodes(nodes, frontier, state, root_slot=committed)
+            logits = self._run_nodes(nodes, frontier, state)
             verified += frontier
             if depth == max_depth:
                 break
@@ -154,7 +135,7 @@ class TreeDrafter(EarlyExitDrafter):
                                                          first_row + row, sampler)]
         return self._proposal(nodes, verified, tables, root, draws)
 
-    def _proposal(self, nodes: list[_Node], order: list[int], tables: list[torch.Tensor], root: torch.Tensor,
+    def _proposal(self, nodes: list[TreeNode], order: list[int], tables: list[torch.Tensor], root: torch.Tensor,
                   draws: list[tuple[int, list[int], torch.Tensor]] | None = None, reduced: bool = False) -> Proposal:
         """The proposal of the pool nodes ``order`` (parents before children) in that order; with ``draws`` (the
         drawn tree), how each parent's children were drawn, in proposal positions. ``reduced``: the tables hold
@@ -174,7 +155,7 @@ class TreeDrafter(EarlyExitDrafter):
                      nodes=[position.get(c) for c in children], probs=q) for parent, children, q in draws],
         )
 
-    def _draw_children(self, nodes: list[_Node], draws: list, q: torch.Tensor, parent: int, parent_score: float,
+    def _draw_children(self, nodes: list[TreeNode], draws: list, q: torch.Tensor, parent: int, parent_score: float,
                        depth: int, parent_row: int, sampler) -> list[int]:
         """Draw ``tree_topk`` children of a node without replacement from ``q`` (the warped draft distribution
         there); add them to the pool and their draw to ``draws``; return their pool indices."""
@@ -182,28 +163,16 @@ class TreeDrafter(EarlyExitDrafter):
         log_q = torch.log(q[tokens].double()).tolist()
         added = []
         for token, log_prob in zip(tokens, log_q):
-            nodes.append(_Node(token, parent, depth, parent_score + log_prob, parent_row))
+            nodes.append(TreeNode(token, parent, depth, parent_score + log_prob, parent_row))
             added.append(len(nodes) - 1)
         draws.append((parent, added, q))
         return added
 
-    def _expand(self, nodes: list[_Node], logits: torch.Tensor, parents: list[int], depth: int,
+    def _expand(self, nodes: list[TreeNode], logits: torch.Tensor, parents: list[int], depth: int,
                 first_row: int) -> list[int]:
-        """Add the ``tree_topk`` most likely children of each of ``parents`` (pool indices, -1 = x; their draft
-        logits over the draft vocabulary are the rows of ``logits``, table rows ``first_row ..``) to the pool, in
-        one batched log-softmax and top-k; return the children's pool indices."""
-        log_probs = torch.log_softmax(logits.float(), -1)
-        top = log_probs.topk(min(self.tree_topk, log_probs.shape[-1]), dim=-1)
-        tokens = top.indices if self.adapter is None else self.adapter.token_ids(top.indices)
-        added = []
-        for row, (parent, values, ids) in enumerate(zip(parents, top.values.tolist(), tokens.tolist())):
-            parent_score = nodes[parent].score if parent >= 0 else 0.0
-            for log_prob, token in zip(values, ids):
-                if log_prob == float("-inf"):  # no probability left (e.g. a soft-capped head): not a candidate
-                    continue
-                nodes.append(_Node(token, parent, depth, parent_score + log_prob, first_row + row))
-                added.append(len(nodes) - 1)
-        return added
+        """`add_top_children` with this tree's ``tree_topk``, over the adapter's draft vocabulary if it has one."""
+        return add_top_children(nodes, logits, parents, depth, self.tree_topk, first_row,
+                                None if self.adapter is None else self.adapter.token_ids)
 
     def describe(self) -> dict:
         info = super().describe()

@@ -50,6 +50,7 @@ from cats.draft.base import DecodeState, Drafter, Proposal
 from cats.draft.prompt_lookup import PromptLookupDrafter
 from cats.errors import InvalidArgumentError, UnsupportedArchitectureError
 from cats.model import KVCache, LayeredModel
+from cats.tree import TreeNode, add_top_children, node_attend
 
 ATTENTION, MLP = "attention", "mlp"
 NUM_TOKENS = 4  # the default draft length
@@ -183,15 +184,6 @@ class SkipModel:
         return hidden
 
 
-@dataclass
-class _Node:
-    token: int
-    parent: int  # pool index of the parent node, -1 = x
-    depth: int
-    score: float  # cumulative draft log-probability of the path from x to this node
-    slot: int | None = None  # its cache slot while the tree grows, once it ran through the skip model
-
-
 class LayerSkipDrafter(Drafter):
     """Chain or tree drafts from the skip model (see the module docstring for the cache contract).
 
@@ -299,32 +291,26 @@ class LayerSkipDrafter(Drafter):
         base, committed = cache.length(0), len(state.token_ids)
         if any(cache.length(i) != base for i in range(self.model.num_layers)):
             raise RuntimeError(f"layer-skip drafting needs every target layer to hold the same slots, got {cache}")
-        nodes: list[_Node] = []
+        nodes: list[TreeNode] = []
         try:
             feed = torch.tensor(state.token_ids[base:], dtype=torch.long)
             hidden = self.skip_model.forward(feed, cache, torch.arange(base, committed))
             self.forwards += 1
-            frontier = self._children(nodes, self.model.draft_head(hidden[0, -1:]), [-1], depth=1)
+            frontier = add_top_children(nodes, self.model.draft_head(hidden[0, -1:]), [-1], 1, self.tree_topk)
             for level in range(1, depth):
                 frontier = sorted(frontier, key=lambda i: (-nodes[i].score, i))[: self.tree_topk]
                 if not frontier or (self.threshold and math.exp(nodes[frontier[0]].score) < self.threshold):
                     break
                 past = cache.length(layers[0]) if layers else committed
-                attend = torch.zeros(len(frontier), past + len(frontier), dtype=torch.bool)
-                attend[:, :committed] = True
-                for row, index in enumerate(frontier):
-                    attend[row, past + row] = True
-                    parent = nodes[index].parent
-                    while parent >= 0:
-                        attend[row, nodes[parent].slot] = True
-                        parent = nodes[parent].parent
+                attend = node_attend(nodes, frontier, past, visible=committed)  # x is fed: slot committed - 1
                 tokens = torch.tensor([nodes[i].token for i in frontier], dtype=torch.long)
                 positions = torch.tensor([committed - 1 + nodes[i].depth for i in frontier])
                 hidden = self.skip_model.forward(tokens, cache, positions, attend)
                 self.forwards += 1
                 for row, index in enumerate(frontier):
                     nodes[index].slot = past + row
-                frontier = self._children(nodes, self.model.draft_head(hidden[0]), frontier, depth=level + 1)
+                frontier = add_top_children(nodes, self.model.draft_head(hidden[0]), frontier, level + 1,
+                                            self.tree_topk)
         finally:
             cache.crop(base, layers)
         # the best `total_tokens` nodes (a child never outscores its parent: the set holds every chosen node's
@@ -335,21 +321,6 @@ class LayerSkipDrafter(Drafter):
         return Proposal(tokens=torch.tensor([nodes[i].token for i in order], dtype=torch.long),
                         parents=torch.tensor([position[nodes[i].parent] if nodes[i].parent >= 0 else -1
                                                for i in order], dtype=torch.long))
-
-    def _children(self, nodes: list[_Node], logits: torch.Tensor, parents: list[int], depth: int) -> list[int]:
-        """Add the ``tree_topk`` most likely children of each of ``parents`` (pool indices, -1 = x; their draft logits
-        are the rows of ``logits``) to the pool; return their pool indices."""
-        log_probs = torch.log_softmax(logits.float(), -1)
-        top = log_probs.topk(min(self.tree_topk, log_probs.shape[-1]), dim=-1)
-        added = []
-        for parent, values, tokens in zip(parents, top.values.tolist(), top.indices.tolist()):
-            parent_score = nodes[parent].score if parent >= 0 else 0.0
-            for log_prob, token in zip(values, tokens):
-                if log_prob == float("-inf"):  # outside the draft vocabulary while the lm_head streams
-                    continue
-                nodes.append(_Node(token, parent, depth, parent_score + log_prob))
-                added.append(len(nodes) - 1)
-        return added
 
     def _assist(self, state: DecodeState, drafted: list[int], limit: int, base: int) -> list[int]:
         """The assist's proposal for the tokens after ``token_ids + drafted``, at most ``limit`` long."""
