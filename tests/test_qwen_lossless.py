@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 import cats
-from cats.config import GenerationConfig
+from cats.config import DraftConfig, GenerationConfig
 from cats.draft import EarlyExitDrafter, LayerSkipDrafter, PromptLookupDrafter, SkipSet, TreeDrafter
 from cats.draft.dytc.scheduler import DraftOption, DyTCDrafter
 from cats.draft.eagle import FeatureDrafter
@@ -60,6 +60,8 @@ def drafter_for(model, method):
         return PromptLookupDrafter(num_tokens=8), None
     if method == "layer-skip":
         return LayerSkipDrafter(model, SKIP, num_tokens=4, assist=PromptLookupDrafter(6)), None
+    if method == "layer-skip-tree":
+        return LayerSkipDrafter(model, SKIP, num_tokens=4, tree_topk=3, total_tokens=10), None
     if method == "recycle":
         return TokenRecyclingDrafter(model.vocab_size, total_tokens=8), None
     if method == "eagle":
@@ -80,7 +82,8 @@ def drafter_for(model, method):
     return DyTCDrafter(options, lookup=PromptLookupDrafter(num_tokens=8)), None
 
 
-@pytest.mark.parametrize("method", ["pld", "layer-skip", "early-exit", "tree", "cats", "eagle", "recycle", "dytc"])
+@pytest.mark.parametrize("method", ["pld", "layer-skip", "layer-skip-tree", "early-exit", "tree", "cats", "eagle",
+                                    "recycle", "dytc"])
 def test_qwen_on_blocks_matches_its_plain_decoding_exactly(qwen, references, method):
     drafter, scorer = drafter_for(qwen, method)
     generator = Generator(qwen, drafter, scorer=scorer) if scorer is not None else Generator(qwen, drafter)
@@ -88,18 +91,21 @@ def test_qwen_on_blocks_matches_its_plain_decoding_exactly(qwen, references, met
         assert generator.generate(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS)).token_ids == expected, method
 
 
-@pytest.mark.parametrize("method", ["layer-skip", "dytc"])
-def test_qwen_under_a_budget_drafts_from_its_resident_layers_exactly(qwen, references, method):
+@pytest.mark.parametrize("method, drafting", [("layer-skip", None), ("layer-skip", DraftConfig(tree_topk=2, depth=4,
+                                                                                          total_tokens=10)),
+                                              ("dytc", None)], ids=["layer-skip", "layer-skip-tree", "dytc"])
+def test_qwen_under_a_budget_drafts_from_its_resident_layers_exactly(qwen, references, method, drafting):
     """Under a budget the layers of Qwen's shipped stream order stream from the file, and so does the lm_head past
     its draft-vocabulary rows (at 50 % it holds five layers more), and the skip draft runs the resident layers and
     those rows alone: every pass sweeps the streamed layers and the head's pieces once, and the output is the
     resident model's."""
-    model = cats.load(qwen.name, memory=cats.MemoryConfig(budget="50%"), method=method, context_tokens=400)
+    model = cats.load(qwen.name, memory=cats.MemoryConfig(budget="50%"), method=method, drafting=drafting,
+                      context_tokens=400)
     plan = model.memory_plan
     assert plan.needs.stream_order and plan.streamed == tuple(sorted(plan.needs.stream_order[: len(plan.streamed)]))
     assert 0 < len(plan.streamed) < 28 and plan.streamed != tuple(range(plan.resident_layers, 28))
     assert plan.head_streamed and plan.head_chunks > 0
-    drafter = make_drafter(method, model)
+    drafter = make_drafter(method, model, drafting)
     sizes = proposal_sizes(drafter)
     generator = Generator(model, drafter, method=method)
     for prompt, expected in references:

@@ -82,6 +82,8 @@ def make_generator(model, method):
         return Generator(model, PromptLookupDrafter(num_tokens=10))
     if method == "layer-skip":
         return Generator(model, LayerSkipDrafter(model, SKIP_04, num_tokens=4, assist=PromptLookupDrafter(6)))
+    if method == "layer-skip-tree":
+        return Generator(model, LayerSkipDrafter(model, SKIP_04, num_tokens=4, tree_topk=3, total_tokens=10))
     if method == "recycle":
         return Generator(model, TokenRecyclingDrafter(model.vocab_size))
     if method == "early-exit-features":
@@ -188,7 +190,7 @@ def exact_references(exact_model, request):
 @pytest.mark.parametrize("method", ["pld", pytest.param("early-exit", marks=SLOW), pytest.param("tree", marks=SLOW),
                                     pytest.param("cats", marks=SLOW), pytest.param("eagle", marks=SLOW),
                                     pytest.param("recycle", marks=SLOW), pytest.param("layer-skip", marks=SLOW),
-                                    pytest.param("dytc", marks=SLOW)])
+                                    pytest.param("layer-skip-tree", marks=SLOW), pytest.param("dytc", marks=SLOW)])
 def test_row_invariant_smollm2_matches_its_plain_decoding_exactly(exact_model, exact_references, method, capsys):
     generator = make_generator(exact_model, method)
     accepted = 0
