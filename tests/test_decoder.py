@@ -114,17 +114,23 @@ def in_fresh_process(code: str) -> str:
 
 def test_cats_and_the_skeleton_of_a_qwen2_file_import_no_transformers_modeling_code():
     """transformers' modeling code (``modeling_utils`` and the model-loading code behind it) costs ~130 MiB of
-    process memory and 2.5 s: a memory budget spends them on layers instead."""
+    process memory and 2.5 s, accelerate 13 MiB (boto3 among its imports): a memory budget spends them on layers
+    instead. The skeleton's parameters are meta, its rotary frequencies real."""
     out = in_fresh_process(
         "import sys, cats.cli\n"
         "from transformers import AutoConfig\n"
         "from cats.model.decoder import skeleton\n"
         "config = AutoConfig.for_model('qwen2', vocab_size=96, hidden_size=64, intermediate_size=96, "
         "num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)\n"
-        "print(type(skeleton(config)).__name__)\n"
+        "model = skeleton(config)\n"
+        "print(type(model).__name__, all(p.is_meta for p in model.parameters()), "
+        "model.model.rotary_emb.inv_freq.device.type, float(model.model.rotary_emb.inv_freq[1]))\n"
         "print(sorted(m for m in ('transformers.modeling_utils', 'transformers.core_model_loading', 'torch._dynamo', "
-        "'scipy') if m in sys.modules))\n")
-    assert out.split() == ["DecoderForCausalLM", "[]"]
+        "'scipy', 'accelerate', 'boto3') if m in sys.modules))\n")
+    # inv_freq[1] = 1 / theta ** (2 / head_dim): theta 10000 (the config's default), head_dim 16
+    name, meta, device, frequency, imported = out.split()
+    assert (name, meta, device, imported) == ("DecoderForCausalLM", "True", "cpu", "[]")
+    assert float(frequency) == pytest.approx(1.0 / 10000 ** (2 / 16), rel=1e-6)
 
 
 @needs(SMOLLM2)

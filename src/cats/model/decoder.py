@@ -18,7 +18,6 @@ those configs load transformers' own classes). There is no ``generate``: CATS's 
 from __future__ import annotations
 
 import torch
-from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
@@ -190,7 +189,8 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id, _weight=table)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = DecoderRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = DecoderRotaryEmbedding(config)
+        with torch.device("cpu"):  # its frequencies are computed here: real even where the parameters are meta
+            self.rotary_emb = DecoderRotaryEmbedding(config)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -235,9 +235,14 @@ class DecoderForCausalLM(nn.Module):
 
 def skeleton(config, attn_implementation: str = "sdpa") -> nn.Module:
     """The ``*ForCausalLM`` module of ``config`` (float32) with its parameters on the meta device, nothing allocated
-    but buffers: `DecoderForCausalLM` where it builds this config (transformers' modeling code is then never
-    imported), else transformers' class."""
-    with init_empty_weights(include_buffers=False):
-        if unsupported(config) is None:
+    but buffers: `DecoderForCausalLM` where it builds this config (transformers' modeling code, and accelerate, are
+    then never imported), else transformers' class."""
+    if unsupported(config) is None:
+        with torch.device("meta"):  # every parameter; the rotary frequencies are built on the CPU
             return DecoderForCausalLM(config, attn_implementation, device="meta")
+    # only for transformers' classes, whose buffers accelerate keeps real: importing accelerate costs a process 13 MiB
+    # of memory (boto3 among its imports), which a memory budget would take from the weights
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
