@@ -18,18 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
-import urllib.request
 from pathlib import Path
 
 from gguf import GGUFReader
 
 from cats.bench.cgroup import MemoryCgroup
-from cats.bench.llama_server import find_llama_server, server_environment
+from cats.bench.llama_server import find_llama_server, free_port, request_json, server_environment
 from cats.model.source import load_tokenizer
 from cats.model.weights.budget import parse_budget
 from cats.model.weights.rss import evict_page_cache
@@ -37,20 +35,6 @@ from cats.prompts import encode_with, read_questions
 
 MIB = 1 << 20
 START_TIMEOUT_S = 600
-
-
-def request(port: int, path: str, body: dict | None = None, timeout: float = 1800) -> dict:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as response:
-        return json.loads(response.read())
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def server_command(server: str, args, port: int) -> tuple[list[str], dict]:
@@ -82,7 +66,7 @@ def run_server(server: str, args, prompts: list[list[int]], limit_bytes: int) ->
                 if process.poll() is not None:
                     raise RuntimeError(f"{server} exited ({process.returncode}) while starting")
                 try:
-                    request(port, "/health", timeout=2)
+                    request_json(port, "/health", timeout=2)
                     break
                 except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
                     if time.monotonic() - started > START_TIMEOUT_S:
@@ -94,7 +78,7 @@ def run_server(server: str, args, prompts: list[list[int]], limit_bytes: int) ->
                 if server == "llama-server":
                     body.update(cache_prompt=False, repeat_penalty=1.0)
                 tick = time.perf_counter()
-                reply = request(port, "/v1/completions", body)
+                reply = request_json(port, "/v1/completions", body, timeout=1800)
                 wall = time.perf_counter() - tick
                 tokens = reply["usage"]["completion_tokens"]
                 answers.append({"prompt_tokens": len(prompt), "completion_tokens": tokens, "wall_s": round(wall, 3),

@@ -23,6 +23,7 @@ fastapi = pytest.importorskip("fastapi", reason="the server needs the serve extr
 uvicorn = pytest.importorskip("uvicorn", reason="the server needs the serve extra: pip install 'cats[serve]'")
 httpx = pytest.importorskip("httpx", reason="the server tests talk to it with httpx (the dev extra)")
 
+from cats.bench.llama_server import free_port  # noqa: E402
 from cats.config import DEFAULT_TEMPERATURE  # noqa: E402
 from cats.config import GenerationConfig
 from cats.loop.generator import Generator
@@ -32,12 +33,6 @@ pytestmark = needs(STORIES_HF)
 
 STORY = "Once upon a time"
 MAX_QUEUE = 1
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -137,10 +137,20 @@ class ServedModel:
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0) or 1 << 30
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a server this process starts)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def request_json(port: int, path: str, body: dict | None = None, timeout: float = 600) -> dict:
+    """A JSON request to a server on 127.0.0.1 (GET without ``body``, else POST) and its JSON answer."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
 
 
 class LlamaServerMethod(BenchMethod):
@@ -158,7 +168,7 @@ class LlamaServerMethod(BenchMethod):
         settings = context.settings
         model = context.model if context.model is not None else ServedModel(context.model_source)
         self.name, self.eos = name, sorted(model.eos_token_ids)
-        self.port = _free_port()
+        self.port = free_port()
         context_tokens = min(model.context_length, context.context_tokens or CONTEXT_TOKENS)
         batch = min(BATCH_TOKENS, context.prompt_tokens or BATCH_TOKENS)
         if name == "llama-server-eagle3":
@@ -194,11 +204,7 @@ class LlamaServerMethod(BenchMethod):
             raise
 
     def _request(self, path: str, body: dict | None = None, timeout: float = 600) -> dict:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data,
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read())
+        return request_json(self.port, path, body, timeout)
 
     def _wait_until_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
