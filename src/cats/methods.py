@@ -170,7 +170,6 @@ def _layer_skip(model, d: DraftConfig, threshold, progress):
     return make_layer_skip(model, values[0], threshold=threshold, progress=progress, **layer_skip_shape(d))
 
 
-
 def _dytc(model, d: DraftConfig, threshold, progress):
     if threshold:
         raise InvalidArgumentError("--threshold does not apply to dytc: the scheduler chooses draft lengths itself")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from cats.api import generator_for
+from cats.api import context_window, generator_for
 from cats.config import KERNEL_CHOICES, DraftConfig, KernelConfig, MemoryConfig
 from cats.errors import InvalidArgumentError
 from cats.methods import check_method, help_text
@@ -130,6 +130,16 @@ def load_settings(args) -> tuple[str, str, DraftConfig, KernelConfig]:
     kernels = KernelConfig(dtype=args.dtype, pack_weights=args.pack_weights, kernels=args.kernels)
     kernels.validate()
     return args.model or default_model(), method, drafting, kernels
+
+
+def checked_context_window(source: str, max_context: int | None) -> int:
+    """The context window ``source``'s config declares (0 where it declares none); a ``--max-context`` longer than it
+    is refused: it would reserve KV cache that no generation could fill."""
+    window = context_window(source)
+    if window and max_context is not None and max_context > window:
+        raise InvalidArgumentError(f"--max-context {max_context} is longer than the model's context window of "
+                                   f"{window} tokens; pass at most {window}")
+    return window
 
 
 def build_generator(args, model):

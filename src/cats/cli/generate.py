@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from cats.api import context_window, load, prepare
+from cats.api import load, prepare
 from cats.cli.args import (
     add_memory_arguments,
     add_method_arguments,
@@ -14,6 +14,7 @@ from cats.cli.args import (
     add_sampling_arguments,
     build_generator,
     check_memory_flags,
+    checked_context_window,
     integer,
     load_settings,
     memory_from_args,
@@ -84,10 +85,7 @@ def run_generate(args) -> int:
     else:
         tokenizer = load_tokenizer(source)
         prompt_ids = encode_with(tokenizer, source, prompt, chat=args.chat, system=args.system)
-        window = context_window(source)  # 0: the config declares none
-        if window and args.max_context is not None and args.max_context > window:  # a KV cache no generation could fill
-            raise InvalidArgumentError(f"--max-context {args.max_context} is longer than the model's context window "
-                                       f"of {window} tokens; pass at most {window}")
+        window = checked_context_window(source, args.max_context)
         wanted = len(prompt_ids) + args.max_new_tokens
         context = args.max_context or (min(wanted, window) if window else wanted)
         memory = memory_from_args(args)

@@ -7,8 +7,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cats.api import context_window, load, prepare
-from cats.cli.args import add_memory_arguments, check_memory_flags, integer, load_settings, memory_from_args
+from cats.api import load, prepare
+from cats.cli.args import (
+    add_memory_arguments,
+    check_memory_flags,
+    checked_context_window,
+    integer,
+    load_settings,
+    memory_from_args,
+)
 from cats.errors import InvalidArgumentError
 from cats.model import LayeredModel
 from cats.model.source import load_tokenizer
@@ -33,10 +40,8 @@ def load_for_session(args) -> LayeredModel:
     if args.max_context is not None and args.max_context < 2:
         raise InvalidArgumentError(f"--max-context must be at least 2 tokens (a prompt and an answer), got "
                                    f"{args.max_context}")
-    window = context_window(source) if args.max_context is not None else 0
-    if window and args.max_context > window:  # a KV cache no request could fill: refused, not reserved
-        raise InvalidArgumentError(f"--max-context {args.max_context} is longer than the model's context window of "
-                                   f"{window} tokens; pass at most {window}")
+    if args.max_context is not None:
+        checked_context_window(source, args.max_context)
     memory = memory_from_args(args)
     memory.validate()
     model = prepare(source, method, drafting, memory, kernels, context_tokens=args.max_context,

@@ -31,8 +31,10 @@ Trees (``tree_topk`` > 1): grown as in EAGLE-2 (`cats.draft.tree`): per depth, t
 the highest cumulative draft log-probability run through the skip model at once (one forward of at most
 ``tree_topk`` tokens, each attending to the committed slots and its own ancestors' draft slots), and each gets its
 ``tree_topk`` most likely children; the ``total_tokens`` best drafted nodes are the tree verified. The cache contract
-is the chain's: every draft slot is cropped before `propose` returns. A tree pays where a pass costs little more
-with more tokens in it: under a memory budget, where every pass reads the streamed layers whatever it verifies.
+is the chain's: every draft slot is cropped before `propose` returns. A tree can pay only where a pass costs little
+more with more tokens in it; on the AVX-512 kernels without AMX it did not, even under a memory budget where every
+pass reads the streamed layers (docs/benchmarks.md, "`layer-skip` trees under a memory limit"), so chains are the
+default.
 
 Drafts are deterministic (the skip model's argmax, or its top-k in a tree): ``Proposal.logits`` is None, as for
 prompt lookup.
