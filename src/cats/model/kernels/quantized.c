@@ -381,7 +381,7 @@ TOKENS_K(1)
 TOKENS_K(2)
 TOKENS_K(4)
 TOKENS_K(8)
-TOKENS_K(3) TOKENS_K(5) TOKENS_K(6) TOKENS_K(7) /* (`rows_other`) */
+TOKENS_K(3) TOKENS_K(5) TOKENS_K(6) TOKENS_K(7)
 
 #ifdef LANES_K
 /* The k-quants with the sub-block scales applied in float, per int32 lane. A block's 256 values are first split,
@@ -536,14 +536,9 @@ TOKENS_LANES(2)
 TOKENS_LANES(4)
 TOKENS_LANES(8)
 TOKENS_LANES(16)
-TOKENS_LANES(3) TOKENS_LANES(5) TOKENS_LANES(6) TOKENS_LANES(7) TOKENS_LANES(9) TOKENS_LANES(10) /* (`rows_other`) */
+TOKENS_LANES(3) TOKENS_LANES(5) TOKENS_LANES(6) TOKENS_LANES(7) TOKENS_LANES(9) TOKENS_LANES(10)
 TOKENS_LANES(11) TOKENS_LANES(12) TOKENS_LANES(13) TOKENS_LANES(14) TOKENS_LANES(15)
 #endif
-
-/* name(T) for the largest tile T in {8, 4, 2, 1} not above `tokens` (whose count the caller takes) */
-#define BY_TILE(prefix, tokens, ...)                                                                              \
-  ((tokens) >= 8 ? prefix##8(__VA_ARGS__) : (tokens) >= 4 ? prefix##4(__VA_ARGS__)                              \
-                                          : (tokens) >= 2 ? prefix##2(__VA_ARGS__) : prefix##1(__VA_ARGS__))
 
 /* ------------------------------------------------------------------------ 32-value blocks (Q4_0 ... Q8_0) */
 /* One block as 32 bytes in value order (u8; Q8_0: s8), its d, and (to `offset`) the coefficient of d_x * sum(x_q):
@@ -610,7 +605,7 @@ TOKENS_32(1)
 TOKENS_32(2)
 TOKENS_32(4)
 TOKENS_32(8)
-TOKENS_32(3) TOKENS_32(5) TOKENS_32(6) TOKENS_32(7) /* (`rows_other`) */
+TOKENS_32(3) TOKENS_32(5) TOKENS_32(6) TOKENS_32(7)
 
 
 /* Which order of `decode_lanes` a type's rows read their activations in (a bit of `quantise_room`), 0: none */
@@ -625,38 +620,41 @@ static int lanes_layout(int type) {
   return 0;
 }
 
-/* The tile of `rows_blocks` whose count of tokens T is not a power of two and below the largest tile (a verification
- * of 3, 5-7 or 9-15 tokens, the end of a prompt): a function of its own for each such T, so that every row is read
- * once for the tile, not once per power of two in T. Out of line, with its loop over the rows: inside `rows_blocks`
- * the compiler stops inlining the powers of two there, and one token's Q8_0 lm_head is then ~12 % slower. */
-#define ROWS(fn)                                                                                                  \
-  for (long n = n0; n < n1; n++) {                                                                              \
-    fn(type, W + n * row_bytes, blocks, X, offsets, out);                                                       \
-    for (long t = 0; t < T; t++) Y[t * N + n] = bias ? out[t] + bias[n] : out[t];                               \
-  }                                                                                                             \
-  break;
-__attribute__((noinline)) static void rows_other(int lanes, int type, int block, const uint8_t* W, long row_bytes,
-                                                 long n0, long n1, const acts* X, long T, long blocks,
-                                                 const float* bias, float* Y, long N, float* offsets) {
-  float out[16];
-  (void)lanes;
+/* A tile of T tokens against rows n0 .. n1 - 1, into Y: one function of its own for each tile kernel and each T,
+ * out of line, with its loop over the rows. Where the tiles were inlined into one caller, the compiler stopped
+ * inlining some of them there (measured on Qwen2.5-Coder-1.5B's Q4_K rows: 4 and 16 tokens ~1.5x the time per
+ * token of 3, 5 or 6; one token's Q8_0 lm_head ~12 % slower). Each row is read once for the tile. */
+typedef void rows_fn(int type, const uint8_t* W, long row_bytes, long n0, long n1, const acts* X, long blocks,
+                     const float* bias, float* Y, long N, float* offsets);
+#define ROWS_OF(fn, T)                                                                                            \
+  __attribute__((noinline)) static void rows_##fn(int type, const uint8_t* W, long row_bytes, long n0, long n1,   \
+                                                  const acts* X, long blocks, const float* bias, float* Y, long N, \
+                                                  float* offsets) {                                               \
+    float out[16];                                                                                                \
+    for (long n = n0; n < n1; n++) {                                                                              \
+      fn(type, W + n * row_bytes, blocks, X, offsets, out);                                                       \
+      for (long t = 0; t < T; t++) Y[t * N + n] = bias ? out[t] + bias[n] : out[t];                               \
+    }                                                                                                             \
+  }
+#define ROWS_1_TO_8(kernel)                                                                                       \
+  ROWS_OF(kernel##1, 1) ROWS_OF(kernel##2, 2) ROWS_OF(kernel##3, 3) ROWS_OF(kernel##4, 4) ROWS_OF(kernel##5, 5)   \
+  ROWS_OF(kernel##6, 6) ROWS_OF(kernel##7, 7) ROWS_OF(kernel##8, 8)
+ROWS_1_TO_8(tokens_k)
+ROWS_1_TO_8(tokens_32_)
+static rows_fn* const rows_k[9] = {NULL, rows_tokens_k1, rows_tokens_k2, rows_tokens_k3, rows_tokens_k4,
+                                   rows_tokens_k5, rows_tokens_k6, rows_tokens_k7, rows_tokens_k8};
+static rows_fn* const rows_32[9] = {NULL, rows_tokens_32_1, rows_tokens_32_2, rows_tokens_32_3, rows_tokens_32_4,
+                                    rows_tokens_32_5, rows_tokens_32_6, rows_tokens_32_7, rows_tokens_32_8};
 #ifdef LANES_K
-  if (lanes) {
-    switch (T) {
-      case 3: ROWS(tokens_lanes3) case 5: ROWS(tokens_lanes5) case 6: ROWS(tokens_lanes6)
-      case 7: ROWS(tokens_lanes7) case 9: ROWS(tokens_lanes9) case 10: ROWS(tokens_lanes10)
-      case 11: ROWS(tokens_lanes11) case 12: ROWS(tokens_lanes12) case 13: ROWS(tokens_lanes13)
-      case 14: ROWS(tokens_lanes14) case 15: ROWS(tokens_lanes15)
-    }
-    return;
-  }
+ROWS_1_TO_8(tokens_lanes)
+ROWS_OF(tokens_lanes9, 9) ROWS_OF(tokens_lanes10, 10) ROWS_OF(tokens_lanes11, 11) ROWS_OF(tokens_lanes12, 12)
+ROWS_OF(tokens_lanes13, 13) ROWS_OF(tokens_lanes14, 14) ROWS_OF(tokens_lanes15, 15) ROWS_OF(tokens_lanes16, 16)
+static rows_fn* const rows_lanes[17] = {
+    NULL, rows_tokens_lanes1, rows_tokens_lanes2, rows_tokens_lanes3, rows_tokens_lanes4, rows_tokens_lanes5,
+    rows_tokens_lanes6, rows_tokens_lanes7, rows_tokens_lanes8, rows_tokens_lanes9, rows_tokens_lanes10,
+    rows_tokens_lanes11, rows_tokens_lanes12, rows_tokens_lanes13, rows_tokens_lanes14, rows_tokens_lanes15,
+    rows_tokens_lanes16};
 #endif
-  if (block == 256) {
-    switch (T) { case 3: ROWS(tokens_k3) case 5: ROWS(tokens_k5) case 6: ROWS(tokens_k6) case 7: ROWS(tokens_k7) }
-    return;
-  }
-  switch (T) { case 3: ROWS(tokens_32_3) case 5: ROWS(tokens_32_5) case 6: ROWS(tokens_32_6) case 7: ROWS(tokens_32_7) }
-}
 
 /* Rows n0 .. n1 - 1 against every token: a tile of tokens at a time (its quantised rows stay in L1), against each
  * of the rows in turn (the chunk's rows stay in L1 or L2 from one tile to the next). */
@@ -689,25 +687,13 @@ static void rows_blocks(int type, int block, const uint8_t* W, long row_bytes, l
 #else
   (void)decoded;
 #endif
-  while (m0 < M) {
-    long left = M - m0, T = left >= most ? most : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-    if (left < most && (left & (left - 1))) { /* the last tile, its count not a power of two */
-      rows_other(lanes, type, block, W, row_bytes, n0, n1, X + m0, left, blocks, bias, Y + m0 * N, N, offsets);
-      break;
-    }
-    for (long n = n0; n < n1; n++) {
-      const uint8_t* row = W + n * row_bytes;
-      float out[16];
+  while (m0 < M) { /* tiles of the largest size, then one of what is left */
+    long T = M - m0 < most ? M - m0 : most;
+    rows_fn* rows = block == 256 ? rows_k[T] : rows_32[T];
 #ifdef LANES_K
-      if (lanes) {
-        if (T == 16) tokens_lanes16(type, row, blocks, X + m0, offsets, out);
-        else BY_TILE(tokens_lanes, T, type, row, blocks, X + m0, offsets, out);
-      } else
+    if (lanes) rows = rows_lanes[T];
 #endif
-      if (block == 256) BY_TILE(tokens_k, T, type, row, blocks, X + m0, offsets, out);
-      else BY_TILE(tokens_32_, T, type, row, blocks, X + m0, offsets, out);
-      for (long t = 0; t < T; t++) Y[(m0 + t) * N + n] = bias ? out[t] + bias[n] : out[t];
-    }
+    rows(type, W, row_bytes, n0, n1, X + m0, blocks, bias, Y + m0 * N, N, offsets);
     m0 += T;
   }
 }
