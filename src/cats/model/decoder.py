@@ -181,11 +181,11 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, config, device: str | None = None):
+    def __init__(self, config):
         super().__init__()
         # the table as given, not as nn.Embedding initialises it: its normal_ on the meta device imports torch._dynamo
-        # (74 MiB of process memory)
-        table = torch.empty(config.vocab_size, config.hidden_size, device=device)
+        # (74 MiB of process memory); on the device in force (`skeleton`: meta)
+        table = torch.empty(config.vocab_size, config.hidden_size)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id, _weight=table)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = DecoderRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -196,10 +196,10 @@ class Decoder(nn.Module):
 class DecoderForCausalLM(nn.Module):
     """The decoder and its head, as transformers' ``*ForCausalLM`` lays them out (``model``, ``lm_head``, ``config``,
     ``generation_config``). ``config`` is transformers' config of the file (``AutoConfig``); attention runs
-    ``config._attn_implementation`` (``sdpa`` or ``eager``). ``device="meta"`` leaves the embedding table
-    unallocated (`skeleton`); otherwise it starts as transformers initialises it."""
+    ``config._attn_implementation`` (``sdpa`` or ``eager``). Built under ``torch.device("meta")`` (`skeleton`) its
+    parameters are left unallocated; otherwise the embedding table starts as transformers initialises it."""
 
-    def __init__(self, config, attn_implementation: str = "sdpa", device: str | None = None):
+    def __init__(self, config, attn_implementation: str = "sdpa"):
         super().__init__()
         reason = unsupported(config)
         if reason is not None:
@@ -210,7 +210,7 @@ class DecoderForCausalLM(nn.Module):
         config._attn_implementation = attn_implementation
         self.config = config
         self.generation_config = GenerationConfig.from_model_config(config)
-        self.model = Decoder(config, device)
+        self.model = Decoder(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if not self.model.embed_tokens.weight.is_meta:
             self._init_weights(self.model.embed_tokens)
@@ -239,7 +239,7 @@ def skeleton(config, attn_implementation: str = "sdpa") -> nn.Module:
     then never imported), else transformers' class."""
     if unsupported(config) is None:
         with torch.device("meta"):  # every parameter; the rotary frequencies are built on the CPU
-            return DecoderForCausalLM(config, attn_implementation, device="meta")
+            return DecoderForCausalLM(config, attn_implementation)
     # only for transformers' classes, whose buffers accelerate keeps real: importing accelerate costs a process 13 MiB
     # of memory (boto3 among its imports), which a memory budget would take from the weights
     from accelerate import init_empty_weights
