@@ -151,6 +151,8 @@ typedef struct {
   int8_t *q, *lanes_q, *lanes6_q; /* blocks of 256 in the orders of `decode_lanes` for Q4_K / Q5_K and for Q6_K
                                     * (NULL unless that is built) */
   float *d, *lanes, *sums32, *sums16;
+  float* lanes6_sums; /* with lanes6_q: per block of 256, 32 d times the sum of sub-block 4k + j in lane 4j + k (the
+                       * term of Q6_K's offset 32, in the order of its lanes' scales: `lanes_block`) */
 } acts;
 
 static void quantise_row(const float* x, int block, acts a, long b0, long b1) { /* blocks b0 .. b1 - 1 of a row */
@@ -203,6 +205,8 @@ static void quantise_row(const float* x, int block, acts a, long b0, long b1) { 
           if (a.lanes6_q) memcpy(a.lanes6_q + at, q + 64 * k + m, 4);
         }
     for (int g = 0; g < block / 16; g++) a.sums16[b * (block / 16) + g] = d * (float)sums16[g];
+    for (int j = 0; a.lanes6_q && block == 256 && j < 4; j++)
+      for (int k = 0; k < 4; k++) a.lanes6_sums[b * 16 + 4 * j + k] = 32.0f * d * (float)sums16[4 * k + j];
     for (int g = 0; g < block / 32; g++) a.sums32[b * (block / 32) + g] = d * (float)(sums16[2 * g] + sums16[2 * g + 1]);
     if (block == 32)
       for (int i = 0; i < 8; i++) a.lanes[b * 8 + i] = d;
@@ -419,7 +423,6 @@ static inline void decode_lanes(int type, const uint8_t* p, __m512i* w, __m512* 
                          of qh above it (qh's 32 bytes in both halves of a vector). Lane 4j + k: sub-block 4k + j */
     float d = half(p + 208);
     __m128i sc = _mm_loadu_si128((const __m128i*)(p + 192));
-    _mm512_storeu_ps(offsets, _mm512_mul_ps(_mm512_set1_ps(32.0f * d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc))));
     __m128i lanes = _mm_shuffle_epi8(sc, _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
     *scale = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lanes)), _mm512_set1_ps(d));
     for (int h = 0; h < 2; h++) { /* values 128h .. 128h + 127: natural units 2h, 2h + 1 */
@@ -455,21 +458,24 @@ static inline void decode_lanes(int type, const uint8_t* p, __m512i* w, __m512* 
 }
 
 /* One block of a row, decoded (`decode_lanes`: its units w and its lanes' scales), against tokens a[0 .. T-1]
- * (activations from byte `at` of each token's row, in the lanes' order), added to acc[t]; then each token's output:
- * its lanes summed, less the row's offsets times the token's sums. */
-static inline __attribute__((always_inline)) void lanes_block(const int T, const __m512i* w, __m512 scale,
+ * (activations from byte `at` of each token's row, in the lanes' order), added to acc[t]; Q6_K (`six`) then takes
+ * its offset 32 off in the same lanes: the lanes' scales times the token's `lanes6_sums` (no offsets of the row's
+ * own, as the other types keep: 4 operations a block fewer). Then each token's output: its lanes summed (Q4_K,
+ * Q5_K: less the row's offsets times the token's sums of 32). */
+static inline __attribute__((always_inline)) void lanes_block(const int T, int six, const __m512i* w, __m512 scale,
                                                               const acts* a, long at, long b, __m512* acc) {
   _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) {
     const int8_t* x = a[t].q + at;
     __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_loadu_si512(x));
     for (int u = 1; u < 4; u++) sums = _mm512_dpbusd_epi32(sums, w[u], _mm512_loadu_si512(x + 64 * u));
     acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(scale, _mm512_set1_ps(a[t].d[b])), acc[t]);
+    if (six) acc[t] = _mm512_fnmadd_ps(scale, _mm512_loadu_ps(a[t].lanes6_sums + 16 * b), acc[t]);
   }
 }
 static inline __attribute__((always_inline)) void lanes_out(const int T, int type, const __m512* acc, const acts* a,
                                                             const float* offsets, long count, float* out) {
   for (int t = 0; t < T; t++)
-    out[t] = _mm512_reduce_add_ps(acc[t]) - dot_floats(offsets, type == Q6_K ? a[t].sums16 : a[t].sums32, count);
+    out[t] = _mm512_reduce_add_ps(acc[t]) - (type == Q6_K ? 0.0f : dot_floats(offsets, a[t].sums32, count));
 }
 
 /* Tokens a[0 .. T-1] against one row of k-quant blocks into out[T], T a constant; as `tokens_k`, each block decoded
@@ -486,7 +492,7 @@ static inline __attribute__((always_inline)) void lanes_out(const int T, int typ
     for (long b = 0; b < blocks; b++) {                                                                            \
       prefetch_ahead(row + b * block_bytes, block_bytes);                                                          \
       decode_lanes(type, row + b * block_bytes, w, &scale, offsets + b * per);                                     \
-      lanes_block(T, w, scale, a, order + b * 256, b, acc);                                                        \
+      lanes_block(T, type == Q6_K, w, scale, a, order + b * 256, b, acc);                                                        \
     }                                                                                                              \
     lanes_out(T, type, acc, a, offsets, blocks * per, out);                                                        \
   }
@@ -527,7 +533,7 @@ static void decoded_lanes16(int type, const uint8_t* decoded, long blocks, const
     const uint8_t* in = decoded + b * DECODED_BYTES;
     __m512i w[4];
     for (int u = 0; u < 4; u++) w[u] = _mm512_load_si512(in + 64 * u);
-    lanes_block(16, w, _mm512_load_ps(in + 256), a, order + b * 256, b, acc);
+    lanes_block(16, type == Q6_K, w, _mm512_load_ps(in + 256), a, order + b * 256, b, acc);
   }
   lanes_out(16, type, acc, a, offsets, blocks * per, out);
 }
@@ -966,7 +972,7 @@ static long block_bytes_of(int type) {
  * into *q and *floats (which the caller frees with the returned array). NULL if out of memory. */
 static acts* quantise_room(long M, long K, int lanes, int8_t** q, float** floats) {
   long padded = (K + 63) / 64 * 64, per = padded / 32 + 2; /* 32-value blocks per row, with room for a pair */
-  long stride = per * 8 + per * 2 + per * 2 + per;          /* lanes, sums16, sums32 (or per-block d), d */
+  long stride = per * 8 + per * 2 + per * 2 + per + per * 2; /* lanes, sums16, sums32 (or per-block d), d, lanes6_sums */
   acts* rows = malloc(sizeof(acts) * M);
   long copies = 1 + (lanes & 1) + (lanes >> 1 & 1); /* the values, then (lanes) in the orders of `decode_lanes` */
   *q = calloc((size_t)(copies * M * padded), 1);
@@ -980,7 +986,8 @@ static acts* quantise_room(long M, long K, int lanes, int8_t** q, float** floats
     float* f = *floats + m * stride;
     int8_t* lanes_q = lanes & 1 ? *q + (M + m) * padded : NULL;
     int8_t* lanes6_q = lanes & 2 ? *q + ((lanes & 1 ? 2 : 1) * M + m) * padded : NULL;
-    acts a = {*q + m * padded, lanes_q, lanes6_q, f, f + per, f + per + per * 8, f + per + per * 8 + per * 2};
+    acts a = {*q + m * padded, lanes_q, lanes6_q, f, f + per, f + per + per * 8, f + per + per * 8 + per * 2,
+              f + per + per * 8 + per * 4};
     rows[m] = a;
   }
   return rows;
