@@ -398,7 +398,8 @@ TOKENS_K(3) TOKENS_K(5) TOKENS_K(6) TOKENS_K(7)
  * (u8 weights x s8 activations, exact: at most 4 x 4 x 63 x 127 per lane), converted to float and multiplied per
  * lane by d_w * d_x * the lane's scale: 4 integer products per 256 values where vpmaddubsw + vpdpwssd take 8, and no
  * operation crosses a 128-bit lane (cross-lane permutes cost more than they seem on AMD's 256-bit pipes). The
- * units, their lanes' float scales (times d) and the row's offsets (as `decode_k`) of one block: */
+ * units, their lanes' float scales (times d) and, for Q4_K and Q5_K, the row's offsets (as `decode_k`; Q6_K takes
+ * its offset in the lanes: `lanes_block`) of one block: */
 static inline void transpose_units(__m512i* w) { /* w[u] lane 4j + k = old w[k] lane 4j + u */
   __m512i a = _mm512_unpacklo_epi32(w[0], w[1]), b = _mm512_unpackhi_epi32(w[0], w[1]);
   __m512i c = _mm512_unpacklo_epi32(w[2], w[3]), e = _mm512_unpackhi_epi32(w[2], w[3]);
@@ -492,7 +493,7 @@ static inline __attribute__((always_inline)) void lanes_out(const int T, int typ
     for (long b = 0; b < blocks; b++) {                                                                            \
       prefetch_ahead(row + b * block_bytes, block_bytes);                                                          \
       decode_lanes(type, row + b * block_bytes, w, &scale, offsets + b * per);                                     \
-      lanes_block(T, type == Q6_K, w, scale, a, order + b * 256, b, acc);                                                        \
+      lanes_block(T, type == Q6_K, w, scale, a, order + b * 256, b, acc);                                          \
     }                                                                                                              \
     lanes_out(T, type, acc, a, offsets, blocks * per, out);                                                        \
   }
@@ -628,8 +629,8 @@ static int lanes_layout(int type) {
 
 /* A tile of T tokens against rows n0 .. n1 - 1, into Y: one function of its own for each tile kernel and each T,
  * out of line, with its loop over the rows. Where the tiles were inlined into one caller, the compiler stopped
- * inlining some of them there (measured on Qwen2.5-Coder-1.5B's Q4_K rows: 4 and 16 tokens ~1.5x the time per
- * token of 3, 5 or 6; one token's Q8_0 lm_head ~12 % slower). Each row is read once for the tile. */
+ * inlining some of them there (measured on Qwen2.5-Coder-1.5B: a 4-token forward took longer than a 5-token one;
+ * one token's Q8_0 lm_head ~12 % slower). Each row is read once for the tile. */
 typedef void rows_fn(int type, const uint8_t* W, long row_bytes, long n0, long n1, const acts* X, long blocks,
                      const float* bias, float* Y, long N, float* offsets);
 #define ROWS_OF(fn, T)                                                                                            \
