@@ -187,6 +187,28 @@ def test_several_linears_in_one_call_are_the_separate_calls_side_by_side(path):
     assert together.shape == (6, 35) and np.array_equal(together, separate)
 
 
+@pytest.mark.parametrize("threads", [2, 3, 5, 8])
+def test_every_row_is_computed_once_whichever_thread_takes_it(path, threads):
+    """The team shares a call's chunks of 16 rows (each thread its range, then the last chunks left in the others'):
+    with more threads than cores the threads run by turns and take each other's chunks, and every output is still
+    computed, with the bits one thread gives it (a group of four types, 1 and 3 tokens, 61 chunks)."""
+    rng = np.random.default_rng(7)
+    parts = [(name, *random_tensor(name, rows, 512, rng)[:1]) for name, rows in
+             (("Q4_K", 300), ("Q6_K", 301), ("Q8_0", 170), ("F16", 190))]
+    group = quantized.Group([(torch.from_numpy(raw), quantized.TYPES[name], None) for name, raw in parts], 512)
+    saved = torch.get_num_threads()
+    for tokens in (1, 3):
+        x = torch.from_numpy(rng.standard_normal((tokens, 512)).astype(np.float32))
+        try:
+            torch.set_num_threads(1)
+            alone = quantized.linears(x, group)
+            torch.set_num_threads(threads)
+            shared = [quantized.linears(x, group) for _ in range(20)]
+        finally:
+            torch.set_num_threads(saved)
+        assert all(torch.equal(result, alone) for result in shared)
+
+
 @pytest.mark.parametrize("name", QUANTISED + FLOATS)
 def test_rows_as_floats_are_gguf_pys_bit_for_bit(path, name):
     """`dequantized_rows` (an embedding's lookup) gives the values of gguf-py's dequantisation, every bit (random
