@@ -42,7 +42,6 @@ from cats.model.kernels import avx512, quantized
 from cats.model.kernels.gguf_modules import GGUFLinear, fused_gguf_linear, layer_groups
 from cats.model.kernels.packing import (
     LAYER_SPECS,
-    _weight_key,
     fused_copy,
     fused_linear,
     is_packed,
@@ -306,13 +305,11 @@ def _layer_parts(layer: nn.Module) -> tuple:
 
 
 def _parts_key(parts: tuple) -> list:
-    """What identifies the parts' weights and biases: each tensor's storage and version (`lean._weight_key`)."""
-    key = []
-    for module in parts:
-        for tensor in module._parameters.values():
-            if tensor is not None:
-                key.append(_weight_key(tensor))
-    return key
+    """What identifies the parts' weights and biases: each tensor's storage and version (as `packing._weight_key`,
+    written out in one comprehension: it runs for every layer of every forward, right after the weights have pushed
+    the interpreter's data out of the caches)."""
+    return [(tensor.data_ptr(), None if tensor.is_inference() else tensor._version)
+            for module in parts for tensor in module._parameters.values() if tensor is not None]
 
 
 def _layer_spec(layer: nn.Module, dtype: torch.dtype):
