@@ -135,14 +135,6 @@ static inline __m256i bits_to_bytes(uint32_t bits, int value) { /* byte j = valu
 #endif
 }
 
-/* Value index of byte m (0 .. 63) of natural unit k (0 .. 3) of a Q4_K / Q5_K block: units 0 and 1 are the low and
- * high nibbles of bytes 0-63, units 2 and 3 of bytes 64-127; byte b holds values 64 (b / 32) + b % 32 (low nibble)
- * and 32 above it (high nibble). (A Q6_K block's natural unit k holds values 64 k .. 64 k + 63 in order.) */
-static inline long nibble_value(int k, long m) {
-  long b = 64 * (k / 2) + m;
-  return 64 * (b / 32) + 32 * (k % 2) + b % 32;
-}
-
 /* -------------------------------------------------------------------------------------------- activations */
 /* One row of X quantised: q (padded with zeros to a multiple of 64 values), per block of `block` values its scale d,
  * d repeated 8 times per block (the lanes of a pair of 32-value blocks), and d times the sum of every 32 and every 16
@@ -154,6 +146,29 @@ typedef struct {
   float* lanes6_sums; /* with lanes6_q: per block of 256, 32 d times the sum of sub-block 4k + j in lane 4j + k (the
                        * term of Q6_K's offset 32, in the order of its lanes' scales: `lanes_block`) */
 } acts;
+
+#ifdef LANES_K
+/* A block of 256 quantised values (q, in value order) as `decode_lanes` lays out the weights (blocks of 256 only):
+ * unit u, lane 4j + k holds the 4 values of byte m = 16j + 4u of natural unit k. A Q6_K block's natural unit k holds
+ * values 64k .. 64k + 63 in order, so that is q's dword 16k + 4j + u (`LANES6_SOURCE`). A Q4_K / Q5_K block's natural
+ * units 0 and 1 are the low and high nibbles of its bytes 0-63, units 2 and 3 of bytes 64-127, and byte c holds
+ * values 64 (c / 32) + c % 32 (low nibble) and 32 above it (high nibble): with c = 64 (k / 2) + m, q's dword
+ * (64 (c / 32) + 32 (k % 2) + c % 32) / 4 (`LANES_SOURCE`). Unit u's source dwords are unit 0's plus u; those of
+ * lanes 4j + 2 and 4j + 3 (k = 2, 3) lie in q's second half, the others in its first: two permutes over 32 dwords
+ * and a blend a unit (the tables hold unit 0's, mod 32). */
+static const int LANES_SOURCE[16] = {0, 8, 0, 8, 4, 12, 4, 12, 16, 24, 16, 24, 20, 28, 20, 28};
+static const int LANES6_SOURCE[16] = {0, 16, 0, 16, 4, 20, 4, 20, 8, 24, 8, 24, 12, 28, 12, 28};
+static inline void lanes_order(const int8_t* q, int8_t* out, const int* source) {
+  __m512i v0 = _mm512_loadu_si512(q), v1 = _mm512_loadu_si512(q + 64);
+  __m512i v2 = _mm512_loadu_si512(q + 128), v3 = _mm512_loadu_si512(q + 192);
+  __m512i first = _mm512_loadu_si512(source);
+  for (int u = 0; u < 4; u++) {
+    __m512i at = _mm512_add_epi32(first, _mm512_set1_epi32(u));
+    __m512i low = _mm512_permutex2var_epi32(v0, at, v1), high = _mm512_permutex2var_epi32(v2, at, v3);
+    _mm512_storeu_si512(out + 64 * u, _mm512_mask_blend_epi32(0xcccc, low, high));
+  }
+}
+#endif
 
 static void quantise_row(const float* x, int block, acts a, long b0, long b1) { /* blocks b0 .. b1 - 1 of a row */
   for (long b = b0; b < b1; b++) {
@@ -196,14 +211,10 @@ static void quantise_row(const float* x, int block, acts a, long b0, long b1) { 
 #endif
     }
     a.d[b] = d;
-    /* (blocks of 256) as `decode_lanes` lays out the weights: unit u, lane 4j + k */
-    for (int u = 0; (a.lanes_q || a.lanes6_q) && u < 4; u++)
-      for (int j = 0; j < 4; j++)
-        for (int k = 0; k < 4; k++) {
-          long at = b * 256 + 64 * u + 4 * (4 * j + k), m = 16 * j + 4 * u; /* byte m of natural unit k */
-          if (a.lanes_q) memcpy(a.lanes_q + at, q + nibble_value(k, m), 4);
-          if (a.lanes6_q) memcpy(a.lanes6_q + at, q + 64 * k + m, 4);
-        }
+#ifdef LANES_K
+    if (a.lanes_q) lanes_order(q, a.lanes_q + b * 256, LANES_SOURCE);
+    if (a.lanes6_q) lanes_order(q, a.lanes6_q + b * 256, LANES6_SOURCE);
+#endif
     for (int g = 0; g < block / 16; g++) a.sums16[b * (block / 16) + g] = d * (float)sums16[g];
     for (int j = 0; a.lanes6_q && block == 256 && j < 4; j++)
       for (int k = 0; k < 4; k++) a.lanes6_sums[b * 16 + 4 * j + k] = 32.0f * d * (float)sums16[4 * k + j];
