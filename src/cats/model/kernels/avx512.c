@@ -730,12 +730,22 @@ static void norm_row(const void* x, const void* w, void* out, long H, float eps,
   float sum = _mm512_reduce_add_ps(acc);
   for (; i < H; i++) sum += row[i] * row[i];
   float scale = 1.0f / sqrtf(sum / (float)H + eps);
-  for (long j = 0; j < H; j++) store_at(out, j, load_at(w, j, bf16) * rounded(row[j] * scale, bf16), bf16);
+  long j = 0;
+  if (!bf16) /* float32: the same products, 16 at a time */
+    for (; j + 16 <= H; j += 16)
+      _mm512_storeu_ps((float*)out + j, _mm512_mul_ps(_mm512_loadu_ps((const float*)w + j),
+                                                      _mm512_mul_ps(_mm512_loadu_ps(row + j), _mm512_set1_ps(scale))));
+  for (; j < H; j++) store_at(out, j, load_at(w, j, bf16) * rounded(row[j] * scale, bf16), bf16);
 }
 
 /* the residual add of one row, row += update, rounded as torch's bf16 add rounds */
 static void add_row(void* row, const void* update, long H, int bf16) {
-  for (long j = 0; j < H; j++) store_at(row, j, load_at(row, j, bf16) + load_at(update, j, bf16), bf16);
+  long j = 0;
+  if (!bf16) /* float32: the same sums, 16 at a time */
+    for (; j + 16 <= H; j += 16)
+      _mm512_storeu_ps((float*)row + j, _mm512_add_ps(_mm512_loadu_ps((const float*)row + j),
+                                                      _mm512_loadu_ps((const float*)update + j)));
+  for (; j < H; j++) store_at(row, j, load_at(row, j, bf16) + load_at(update, j, bf16), bf16);
 }
 
 /* the linear y = x W^T (+ bias) of M rows, this thread's share of the panels (caller: barrier after) */
@@ -846,16 +856,29 @@ int cats_layer(const struct cats_layer* L, void* hidden, long T, const void* cos
       float gates[16], ups[16], values[16];
       for (long j0 = first; j0 < last; j0 += 16) {
         long count = last - j0 < 16 ? last - j0 : 16;
-        for (long j = 0; j < count; j++) {
-          gates[j] = load_at(row, j0 + j, bf16);
-          ups[j] = load_at(row, I + j0 + j, bf16);
+        __mmask16 some = (__mmask16)((1u << count) - 1);
+        __m512 g, up, one = _mm512_set1_ps(1.0f);
+        if (bf16) {
+          for (long j = 0; j < count; j++) {
+            gates[j] = load_at(row, j0 + j, bf16);
+            ups[j] = load_at(row, I + j0 + j, bf16);
+          }
+          for (long j = count; j < 16; j++) gates[j] = ups[j] = 0.0f;
+          g = _mm512_loadu_ps(gates);
+          up = _mm512_loadu_ps(ups);
+        } else { /* float32: the same values, loaded as vectors */
+          g = _mm512_maskz_loadu_ps(some, (const float*)row + j0);
+          up = _mm512_maskz_loadu_ps(some, (const float*)row + I + j0);
         }
-        for (long j = count; j < 16; j++) gates[j] = ups[j] = 0.0f;
-        __m512 g = _mm512_loadu_ps(gates), one = _mm512_set1_ps(1.0f);
         __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
         __m512 e = exp_le0(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
         __m512 numerator = _mm512_mask_mul_ps(g, negative, g, e);
-        _mm512_storeu_ps(values, _mm512_div_ps(numerator, _mm512_add_ps(one, e)));
+        __m512 silu = _mm512_div_ps(numerator, _mm512_add_ps(one, e));
+        if (!bf16) { /* (rounding to float32 is none: the product as the scalar path takes it) */
+          _mm512_mask_storeu_ps((float*)activated + t * I + j0, some, _mm512_mul_ps(silu, up));
+          continue;
+        }
+        _mm512_storeu_ps(values, silu);
         for (long j = 0; j < count; j++)
           store_at((char*)activated + t * I * size, j0 + j, rounded(values[j], bf16) * ups[j], bf16);
       }
