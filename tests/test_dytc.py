@@ -294,6 +294,20 @@ def test_scheduler_drafts_nothing_when_no_drafter_pays():
     assert dytc.counters()["choices"]["none"] == sum(key == "none" for key, *_ in chosen)
 
 
+def test_a_drafter_whose_priors_cannot_pay_is_never_tried():
+    """A model drafter is tried once to measure its cost only where its priors (meant to be optimistic) beat plain
+    decoding: at a forward per drafted token and 0.3 acceptance it cannot, and it never drafts; a cheap one beside it
+    is tried and measured."""
+    clock = FakeClock()
+    costly, cheap = FakeDrafter(clock, cost=0.011), FakeDrafter(clock, cost=0.0005)
+    dytc = DyTCDrafter([DraftOption("costly", costly, 8, prior_acceptance=0.3, prior_cost=1.0),
+                        DraftOption("cheap", cheap, 8, prior_acceptance=0.5, prior_cost=0.05)], lookup=None,
+                       clock=clock)
+    simulate(dytc, clock, {"costly": 0.3, "cheap": 0.2}, steps=100)
+    assert costly.calls == 0 and dytc.counters()["choices"]["costly"] == 0
+    assert cheap.calls >= 1 and dytc.draft_latency["cheap"].ready
+
+
 def test_a_cheap_one_token_forward_is_not_extrapolated_from_the_line():
     """On CPUs a one-token forward can cost far less than the line through multi-token verifications predicts; the
     measured shape holds it, so a drafter that would only beat the extrapolated cost is not used."""

@@ -147,6 +147,18 @@ class Planner:
                 best_k, best = k, value
         return best_k, best
 
+    def _may_pay(self, key: str, max_tokens: int) -> bool:
+        """Whether model drafter ``key``, on its priors (its acceptance prior and its prior cost per token, both meant
+        to be optimistic), would beat plain decoding at its best length: only then is it worth one try to measure
+        it. (Resident Qwen2.5-Coder-1.5B on 2 cores: a layer-skip draft token costs 0.5-0.7 of a forward by its
+        share of the weights, and its first tries took ~0.26 s a step, 1.3 s of a 96-token answer of 5 s.)"""
+        option = self.options[key]
+        if option.tree:
+            value = self._yield_rate(key, option.max_tokens, self._tree_yield(key).ratio(self.step))
+        else:
+            value = self._best_length(key, min(option.max_tokens, max_tokens), self.acceptance[key].value(self.step))[1]
+        return value > self._best_length(NONE, 0, 0.0)[1]
+
     def _free_plan(self, free: FreeDrafts) -> tuple[str, int, int, float]:
         """The best cut of this step's near-free drafts: ``(key, tree cut size, chain length, rate)``, key
         `NONE` (nothing), `PLD` (the chain alone) or the recycling option's key (a tree cut, the chain grafted)."""
@@ -168,7 +180,7 @@ class Planner:
         if self.verify_cost.ready:
             for key, option in self.options.items():  # try every model drafter once, so its cost is measured
                 if (not option.hindsight and not self.draft_latency[key].ready and self._fits(option)
-                        and min(option.max_tokens, max_tokens) >= 1):
+                        and min(option.max_tokens, max_tokens) >= 1 and self._may_pay(key, max_tokens)):
                     return key, option.max_tokens if option.tree else min(2, option.max_tokens, max_tokens), 0
         if free is None:
             free = FreeDrafts.chain_only(min(lookup_tokens, max_tokens), ngram).within(self.max_pass_tokens)
