@@ -411,6 +411,7 @@ TOKENS_K(3) TOKENS_K(5) TOKENS_K(6) TOKENS_K(7)
  * operation crosses a 128-bit lane (cross-lane permutes cost more than they seem on AMD's 256-bit pipes). The
  * units, their lanes' float scales (times d) and, for Q4_K and Q5_K, the row's offsets (as `decode_k`; Q6_K takes
  * its offset in the lanes: `lanes_block`) of one block: */
+#define LANES_OFFSETS 8 /* row offsets a block keeps on the lanes (Q4_K, Q5_K: dmin * min per 32 values; Q6_K none) */
 static inline void transpose_units(__m512i* w) { /* w[u] lane 4j + k = old w[k] lane 4j + u */
   __m512i a = _mm512_unpacklo_epi32(w[0], w[1]), b = _mm512_unpackhi_epi32(w[0], w[1]);
   __m512i c = _mm512_unpacklo_epi32(w[2], w[3]), e = _mm512_unpackhi_epi32(w[2], w[3]);
@@ -495,7 +496,7 @@ static inline __attribute__((always_inline)) void lanes_out(const int T, int typ
 #define TOKENS_LANES(T)                                                                                            \
   static void tokens_lanes##T(int type, const uint8_t* row, long blocks, const acts* a, float* offsets,           \
                               float* out) {                                                                        \
-    long block_bytes = type == Q4_K ? 144 : type == Q5_K ? 176 : 210, per = type == Q6_K ? 16 : 8;                \
+    long block_bytes = type == Q4_K ? 144 : type == Q5_K ? 176 : 210, per = LANES_OFFSETS;                        \
     __m512 acc[T];                                                                                                 \
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();                                                      \
     long order = (type == Q6_K ? a[0].lanes6_q : a[0].lanes_q) - a[0].q; /* every token's (`quantise_room`) */   \
@@ -524,7 +525,7 @@ static long decoded_rows(long M, long blocks) {
   return M >= 32 && group >= DECODED_ROWS / 2 ? group : 0;
 }
 static void decode_row_lanes(int type, const uint8_t* row, long blocks, uint8_t* decoded, float* offsets) {
-  long block_bytes = type == Q4_K ? 144 : type == Q5_K ? 176 : 210, per = type == Q6_K ? 16 : 8;
+  long block_bytes = type == Q4_K ? 144 : type == Q5_K ? 176 : 210, per = LANES_OFFSETS;
   __m512i w[4];
   __m512 scale;
   for (long b = 0; b < blocks; b++) {
@@ -537,7 +538,7 @@ static void decode_row_lanes(int type, const uint8_t* row, long blocks, uint8_t*
 }
 static void decoded_lanes16(int type, const uint8_t* decoded, long blocks, const acts* a, const float* offsets,
                             float* out) {
-  long per = type == Q6_K ? 16 : 8;
+  long per = LANES_OFFSETS;
   __m512 acc[16];
   for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
   long order = (type == Q6_K ? a[0].lanes6_q : a[0].lanes_q) - a[0].q;
@@ -685,7 +686,7 @@ static void rows_blocks(int type, int block, const uint8_t* W, long row_bytes, l
 #ifdef LANES_K
   long group = lanes && decoded && n1 - n0 <= DECODED_ROWS ? decoded_rows(M, blocks) : 0;
   if (group) { /* a prompt: each row decoded once for all its full tiles */
-    long per = type == Q6_K ? 16 : 8, whole = M / most * most;
+    long per = LANES_OFFSETS, whole = M / most * most;
     float* row_offsets = (float*)(decoded + DECODED_ROWS * blocks * DECODED_BYTES);
     for (long g0 = n0; g0 < n1; g0 += group) {
       long g1 = g0 + group < n1 ? g0 + group : n1;
@@ -1039,16 +1040,16 @@ static long next_chunk(share* shares, int me, int team) {
     }
     int victim = -1;
     long most = 0;
+    uint64_t seen = 0; /* the victim's range as read (taken only if it is still that) */
     for (int t = 0; t < team; t++) {
       uint64_t other = __atomic_load_n(&shares[t].range, __ATOMIC_RELAXED);
       long left = (long)(other >> 32) - (long)(other & 0xffffffffu);
-      if (left > most) most = left, victim = t;
+      if (left > most) most = left, victim = t, seen = other;
     }
     if (victim < 0) return -1;
-    uint64_t other = __atomic_load_n(&shares[victim].range, __ATOMIC_RELAXED);
-    long first = (long)(other & 0xffffffffu), last = (long)(other >> 32);
-    if (first < last && __atomic_compare_exchange_n(&shares[victim].range, &other, range_of(first, last - 1), 0,
-                                                   __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+    long last = (long)(seen >> 32);
+    if (__atomic_compare_exchange_n(&shares[victim].range, &seen, range_of((long)(seen & 0xffffffffu), last - 1), 0,
+                                    __ATOMIC_RELAXED, __ATOMIC_RELAXED))
       return last - 1;
   }
 }
@@ -1110,7 +1111,7 @@ int cats_quantized_team(const struct cats_group* g, const float* X, float* Y, lo
     uint8_t* decoded = NULL; /* a prompt's k-quant rows, decoded once for all its tiles (`rows_blocks`) */
 #ifdef LANES_K
     if (layouts && decoded_rows(M, K / 256))
-      decoded = aligned_alloc(64, (size_t)(DECODED_ROWS * (K / 256) * (DECODED_BYTES + 16 * sizeof(float))));
+      decoded = aligned_alloc(64, (size_t)(DECODED_ROWS * (K / 256) * (DECODED_BYTES + LANES_OFFSETS * sizeof(float))));
 #endif
 #ifdef CATS_AMX
     int split = 0, tiles = 0; /* whether some linear here takes `rows16`, and the tiles (every thread: the same) */
