@@ -111,6 +111,22 @@ def test_a_tokens_output_does_not_depend_on_the_others(path, name):
         assert np.array_equal(run(x[row:row + 1], raw, name)[0], together[row])
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_long_rows_decoded_a_few_at_a_time_give_each_token_its_own_bits(path, name):
+    """A prompt's k-quant rows are decoded once, as many at a time as fit the kernels' budget, and taken in pairs:
+    rows of 64 blocks fit 9 at a time, so a chunk of 16 rows is decoded as 9 + 7, and each group ends in a row
+    paired with itself. 43 tokens: 40 in tiles of 8 from the decoded rows, 3 on the rows' own loop. Every token's
+    output equals what it gets alone, and the dequantised product."""
+    rng = np.random.default_rng(4)
+    raw, weights = random_tensor(name, 20, 64 * 256, rng)
+    x = rng.standard_normal((43, 64 * 256)).astype(np.float32)
+    together = run(x, raw, name)
+    reference = rounded_activations(x, 256) @ weights.T
+    np.testing.assert_allclose(together, reference, rtol=0, atol=2e-6 * np.abs(reference).max())
+    for row in (0, 8, 9, 39, 40, 42):
+        assert np.array_equal(run(x[row:row + 1], raw, name)[0], together[row])
+
+
 def test_the_paths_agree_closely():
     """The AVX-512, AMX and AVX2 builds compute the same products (summation orders differ: last bits only)."""
     if any(quantized.choose(isa)[0] is None for isa in quantized.ISAS):

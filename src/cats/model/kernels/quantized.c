@@ -509,18 +509,21 @@ static inline __attribute__((always_inline)) void lanes_out(const int T, int typ
     }                                                                                                              \
     lanes_out(T, type, acc, a, offsets, blocks * per, out);                                                        \
   }
-/* A row's blocks decoded once (`decode_lanes`: 4 units, then the lanes' float scales) for the tiles of a prompt:
- * `tokens_lanes16` on blocks read back from `decoded` instead of decoding them again for every tile; the same
- * operations on the same values, so the same bits. */
-#define DECODED_BYTES (5 * 64) /* a block's units and scales */
-#define DECODED_ROWS 16         /* most rows decoded at a time: a chunk of `cats_quantized_team` */
-#define DECODED_L1 (32 * 1024)  /* bytes of decoded rows that the tiles then read: L1 */
-/* Rows of `blocks` k-quant blocks decoded together for a call of M tokens: as many as stay in L1 (at most a chunk),
+/* A row's blocks decoded once (`decode_lanes`: 4 units, then the lanes' float scales) for the tiles of a prompt,
+ * then read back for every tile instead of being decoded again, two rows at a time: each token's activations, loaded
+ * once, go into both rows' products (one row at a time, a token's 4 units of 64 bytes are loaded for every row, and
+ * 512-bit loads, one a cycle on Zen 4, bounded the tiles). Each row and token gets `lanes_block`'s operations on the
+ * same values as `tokens_lanes`, so the same bits. */
+#define DECODED_BYTES (5 * 64)    /* a block's units and scales */
+#define DECODED_ROWS 16           /* most rows decoded at a time: a chunk of `cats_quantized_team` */
+#define DECODED_L2 (192 * 1024)   /* bytes of decoded rows that the tiles then read: well within L2 */
+/* Rows of `blocks` k-quant blocks decoded together for a call of M tokens: as many as stay in L2 (at most a chunk),
  * or 0 where the call does not take decoded rows: fewer than two full tiles of 16 tokens, or rows so long that fewer
- * than 8 stay decoded (measured: Qwen2.5-1.5B's K = 1536 rows ~17 % faster at 64 tokens; its K = 8960 rows, 2 at a
- * time, up to 7 % slower, so they stay on the loop of `rows_blocks`). */
+ * than 8 stay decoded (measured on Qwen2.5-Coder-1.5B, a 700-token prompt: its K = 8960 rows, 16 at a time from L2,
+ * and pairs of rows together 11 % faster than K = 1536 rows alone from L1 and K = 8960 rows decoded for every tile;
+ * 16-token calls are 14 % slower on decoded rows, whose tiles then pay for decoding without sharing it). */
 static long decoded_rows(long M, long blocks) {
-  long group = DECODED_L1 / (blocks * DECODED_BYTES);
+  long group = DECODED_L2 / (blocks * DECODED_BYTES);
   group = group > DECODED_ROWS ? DECODED_ROWS : group;
   return M >= 32 && group >= DECODED_ROWS / 2 ? group : 0;
 }
@@ -536,19 +539,25 @@ static void decode_row_lanes(int type, const uint8_t* row, long blocks, uint8_t*
     _mm512_store_ps(out + 256, scale);
   }
 }
-static void decoded_lanes16(int type, const uint8_t* decoded, long blocks, const acts* a, const float* offsets,
-                            float* out) {
-  long per = LANES_OFFSETS;
-  __m512 acc[16];
-  for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
+#define PAIR_TOKENS 8 /* tokens of a pair of decoded rows' tile: 16 accumulators, 8 units and 2 scales in registers */
+/* Two decoded rows (row_offsets: their `decode_lanes` offsets) against tokens a[0 .. PAIR_TOKENS - 1] into
+ * out[r][t] */
+static void decoded_pair(int type, const uint8_t* const* rows, long blocks, const acts* a,
+                         const float* const* row_offsets, float out[2][PAIR_TOKENS]) {
+  __m512 acc[2][PAIR_TOKENS];
+  for (int t = 0; t < PAIR_TOKENS; t++) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
   long order = (type == Q6_K ? a[0].lanes6_q : a[0].lanes_q) - a[0].q;
   for (long b = 0; b < blocks; b++) {
-    const uint8_t* in = decoded + b * DECODED_BYTES;
-    __m512i w[4];
-    for (int u = 0; u < 4; u++) w[u] = _mm512_load_si512(in + 64 * u);
-    lanes_block(16, type == Q6_K, w, _mm512_load_ps(in + 256), a, order + b * 256, b, acc);
+    const uint8_t *in0 = rows[0] + b * DECODED_BYTES, *in1 = rows[1] + b * DECODED_BYTES;
+    __m512i w0[4], w1[4];
+    for (int u = 0; u < 4; u++) w0[u] = _mm512_load_si512(in0 + 64 * u), w1[u] = _mm512_load_si512(in1 + 64 * u);
+    __m512 scale0 = _mm512_load_ps(in0 + 256), scale1 = _mm512_load_ps(in1 + 256);
+    _Pragma("GCC unroll 8") for (int t = 0; t < PAIR_TOKENS; t++) { /* the token's loads shared by both rows */
+      lanes_block(1, type == Q6_K, w0, scale0, a + t, order + b * 256, b, &acc[0][t]);
+      lanes_block(1, type == Q6_K, w1, scale1, a + t, order + b * 256, b, &acc[1][t]);
+    }
   }
-  lanes_out(16, type, acc, a, offsets, blocks * per, out);
+  for (int r = 0; r < 2; r++) lanes_out(PAIR_TOKENS, type, acc[r], a, row_offsets[r], blocks * LANES_OFFSETS, out[r]);
 }
 TOKENS_LANES(1)
 TOKENS_LANES(2)
@@ -686,19 +695,24 @@ static void rows_blocks(int type, int block, const uint8_t* W, long row_bytes, l
 #ifdef LANES_K
   long group = lanes && decoded && n1 - n0 <= DECODED_ROWS ? decoded_rows(M, blocks) : 0;
   if (group) { /* a prompt: each row decoded once for all its full tiles */
-    long per = LANES_OFFSETS, whole = M / most * most;
+    long per = LANES_OFFSETS, whole = M / PAIR_TOKENS * PAIR_TOKENS;
     float* row_offsets = (float*)(decoded + DECODED_ROWS * blocks * DECODED_BYTES);
     for (long g0 = n0; g0 < n1; g0 += group) {
       long g1 = g0 + group < n1 ? g0 + group : n1;
       for (long n = g0; n < g1; n++)
         decode_row_lanes(type, W + n * row_bytes, blocks, decoded + (n - g0) * blocks * DECODED_BYTES,
                          row_offsets + (n - g0) * blocks * per);
-      for (long t0 = 0; t0 < whole; t0 += most)
-        for (long n = g0; n < g1; n++) {
-          float out[16];
-          decoded_lanes16(type, decoded + (n - g0) * blocks * DECODED_BYTES, blocks, X + t0,
-                          row_offsets + (n - g0) * blocks * per, out);
-          for (long t = 0; t < most; t++) Y[(t0 + t) * N + n] = bias ? out[t] + bias[n] : out[t];
+      for (long t0 = 0; t0 < whole; t0 += PAIR_TOKENS)
+        for (long n = g0; n < g1; n += 2) { /* a pair of rows (the last one twice where the group is odd) */
+          long second = n + 1 < g1 ? n + 1 : n;
+          const uint8_t* rows[2] = {decoded + (n - g0) * blocks * DECODED_BYTES,
+                                    decoded + (second - g0) * blocks * DECODED_BYTES};
+          const float* offsets_of[2] = {row_offsets + (n - g0) * blocks * per, row_offsets + (second - g0) * blocks * per};
+          float out[2][PAIR_TOKENS];
+          decoded_pair(type, rows, blocks, X + t0, offsets_of, out);
+          for (long r = 0; r <= second - n; r++)
+            for (long t = 0; t < PAIR_TOKENS; t++)
+              Y[(t0 + t) * N + n + r] = bias ? out[r][t] + bias[n + r] : out[r][t];
         }
     }
     m0 = whole;
