@@ -518,11 +518,11 @@ static inline __attribute__((always_inline)) void lanes_out(const int T, int typ
 #define DECODED_ROWS 16           /* most rows decoded at a time: a chunk of `cats_quantized_team` */
 #define DECODED_L2 (192 * 1024)   /* bytes of decoded rows that the tiles then read: well within L2 */
 /* Rows of `blocks` k-quant blocks decoded together for a call of M tokens: as many as stay in L2 (at most a chunk),
- * or 0 where the call does not take decoded rows: fewer than two full tiles of 16 tokens, or rows so long that fewer
- * than 8 stay decoded (measured on Qwen2.5-Coder-1.5B, a 700-token prompt: with its K = 8960 rows too, 16 at a time
- * from L2, and pairs of rows against 8-token tiles, 6.92 s against 8.34 s where only K = 1536 rows were decoded, into
- * L1, and taken one at a time; 16-token calls are 14 % slower on decoded rows, whose tiles then pay for decoding
- * without sharing it). */
+ * or 0 where the call does not take decoded rows: fewer than 32 tokens, or rows so long that fewer than 8 stay
+ * decoded (measured on Qwen2.5-Coder-1.5B, a 700-token prompt: with its K = 8960 rows too, 16 at a time from L2, and
+ * pairs of rows against 8-token tiles, 6.92 s against 8.34 s where only K = 1536 rows were decoded, into L1, and
+ * taken one at a time; 16-token calls are 14 % slower on decoded rows, whose tiles then pay for decoding without
+ * sharing it). */
 static long decoded_rows(long M, long blocks) {
   long group = DECODED_L2 / (blocks * DECODED_BYTES);
   group = group > DECODED_ROWS ? DECODED_ROWS : group;
@@ -696,19 +696,20 @@ static void rows_blocks(int type, int block, const uint8_t* W, long row_bytes, l
 #ifdef LANES_K
   long group = lanes && decoded && n1 - n0 <= DECODED_ROWS ? decoded_rows(M, blocks) : 0;
   if (group) { /* a prompt: each row decoded once for all its full tiles */
-    long per = LANES_OFFSETS, whole = M / PAIR_TOKENS * PAIR_TOKENS;
-    float* row_offsets = (float*)(decoded + DECODED_ROWS * blocks * DECODED_BYTES);
+    long whole = M / PAIR_TOKENS * PAIR_TOKENS;
+    long row_decoded = blocks * DECODED_BYTES, row_offsets = blocks * LANES_OFFSETS; /* each row's room in them */
+    float* offsets_room = (float*)(decoded + DECODED_ROWS * row_decoded);
     for (long g0 = n0; g0 < n1; g0 += group) {
       long g1 = g0 + group < n1 ? g0 + group : n1;
       for (long n = g0; n < g1; n++)
-        decode_row_lanes(type, W + n * row_bytes, blocks, decoded + (n - g0) * blocks * DECODED_BYTES,
-                         row_offsets + (n - g0) * blocks * per);
+        decode_row_lanes(type, W + n * row_bytes, blocks, decoded + (n - g0) * row_decoded,
+                         offsets_room + (n - g0) * row_offsets);
       for (long t0 = 0; t0 < whole; t0 += PAIR_TOKENS)
         for (long n = g0; n < g1; n += 2) { /* a pair of rows (the last one twice where the group is odd) */
           long second = n + 1 < g1 ? n + 1 : n;
-          const uint8_t* rows[2] = {decoded + (n - g0) * blocks * DECODED_BYTES,
-                                    decoded + (second - g0) * blocks * DECODED_BYTES};
-          const float* offsets_of[2] = {row_offsets + (n - g0) * blocks * per, row_offsets + (second - g0) * blocks * per};
+          const uint8_t* rows[2] = {decoded + (n - g0) * row_decoded, decoded + (second - g0) * row_decoded};
+          const float* offsets_of[2] = {offsets_room + (n - g0) * row_offsets,
+                                        offsets_room + (second - g0) * row_offsets};
           float out[2][PAIR_TOKENS];
           decoded_pair(type, rows, blocks, X + t0, offsets_of, out);
           for (long r = 0; r <= second - n; r++)
